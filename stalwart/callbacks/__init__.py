@@ -1,0 +1,5 @@
+"""Lightning callbacks."""
+
+from stalwart.callbacks.hindsight import HindsightCallback
+
+__all__ = ["HindsightCallback"]

@@ -1,0 +1,280 @@
+"""HindsightCallback: record a Lightning run cheaply, so it can be queried and replayed later."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import Any
+
+import lightning
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+
+from stalwart.hindsight.fingerprint import hook_fingerprints
+from stalwart.hindsight.materializer import Materializer, WriteJob, make_materializer, tensor_bytes
+from stalwart.hindsight.policy import (
+    DEFAULT_EPSILON,
+    DEFAULT_RESTORE_RATIO,
+    JointInvariantPolicy,
+)
+from stalwart.hindsight.rng import RNG_KEY, capture_rng, restore_rng
+from stalwart.hindsight.store import HindsightStore, checkpoint_recorder, prepare_directory
+
+
+class HindsightCallback(Callback):
+    r"""Record a training run for hindsight logging: every logged value, plus adaptive checkpoints.
+
+    At each training-epoch end the callback measures the epoch's compute time ``C`` and asks the
+    policy (Flor's Joint Invariant, :class:`~stalwart.hindsight.policy.JointInvariantPolicy`)
+    whether a checkpoint now keeps the record overhead under ``epsilon``. A checkpoint is complete:
+    everything Lightning saves (module, optimizers, LR schedulers, precision state, loops, data
+    module and callback states) plus every RNG state, so ``trainer.fit(ckpt_path=...)`` from it
+    continues bit for bit. The main thread only forks; a child writes the file in the background.
+
+    Every ``self.log`` call is stored in ``dirpath/hindsight.db`` (SQLite) with the run's manifest;
+    read it with :func:`stalwart.hindsight.open`.
+
+    Args:
+        dirpath: the run directory (created if missing). Each ``fit`` adds a run to it.
+        epsilon: record overhead budget, a fraction in (0, 1); default 1/15 (6.67%).
+        materializer: ``"fork"`` (background writes, default) or ``"inline"`` (no fork).
+        restore_ratio: expected restore/materialize cost ratio ``c`` of the policy.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from stalwart import HindsightCallback
+
+        trainer = Trainer(max_epochs=20, callbacks=[HindsightCallback(dirpath="runs")])
+        trainer.fit(model, datamodule)
+        stalwart.hindsight.open("runs").run().metrics("val_loss")
+
+    Place it first in ``callbacks``: it snapshots during ``on_train_epoch_end``, and on resume
+    Lightning calls the ``on_train_epoch_end`` of callbacks listed before it once more.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike = "runs",
+        epsilon: float = DEFAULT_EPSILON,
+        materializer: str | Materializer = "fork",
+        restore_ratio: float = DEFAULT_RESTORE_RATIO,
+    ) -> None:
+        self.policy = JointInvariantPolicy(epsilon=epsilon, restore_ratio=restore_ratio)
+        self.dirpath = prepare_directory(dirpath)
+        self._materializer_spec = materializer
+        make_materializer(materializer)  # reject an unknown kind now, not at fit time
+        self.run_id: int | None = None
+        self.resumed_from: str | None = None
+        self._store: HindsightStore | None = None
+        self._materializer: Materializer | None = None
+        self._decided_through = -1
+        self._cost_estimate: float | None = None
+        self._clock = 0.0
+        self._pending: list[tuple] = []
+        self._patched: LightningModule | None = None
+
+    @property
+    def store(self) -> HindsightStore:
+        if self._store is None:
+            self._store = HindsightStore(self.dirpath, create=True)
+        return self._store
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit" or not trainer.is_global_zero:
+            return
+        self._materializer = make_materializer(self._materializer_spec)
+        datamodule = trainer.datamodule
+        self.run_id = self.store.begin_run(
+            hparams=dict(pl_module.hparams),
+            fingerprints={
+                "module": hook_fingerprints(pl_module),
+                "datamodule": hook_fingerprints(datamodule) if datamodule is not None else {},
+            },
+            config={
+                "epsilon": self.policy.epsilon,
+                "restore_ratio": self.policy.restore_ratio,
+                "materializer": self._materializer.name,
+                "max_epochs": trainer.max_epochs,
+                "module_class": f"{type(pl_module).__module__}.{type(pl_module).__qualname__}",
+                "lightning": lightning.__version__,
+                "torch": torch.__version__,
+            },
+        )
+        self._patch_log(pl_module, trainer)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._clock = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self._flush()
+        if self._materializer is not None:
+            self._materializer.poll()
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush()
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        epoch = trainer.current_epoch
+        # On resume Lightning runs the checkpointed epoch's end hooks again: decided already.
+        if self.run_id is None or epoch <= self._decided_through:
+            return
+        self._flush()
+        compute_time = time.perf_counter() - self._clock
+        estimate = self._estimate_cost(trainer, pl_module)
+        decision = self.policy.decide(
+            compute_time=compute_time, materialize_cost=estimate, epoch=epoch
+        )
+        self._decided_through = epoch
+        measured = None
+        if self.should_checkpoint(trainer, decision.checkpoint):
+            measured = self._checkpoint(trainer, epoch, estimate)
+        self.store.add_decision(self.run_id, decision.as_dict(), measured)
+        self._clock = time.perf_counter()
+
+    def should_checkpoint(self, trainer: Trainer, policy_says: bool) -> bool:
+        """Override to force or veto checkpoints; by default the policy decides."""
+        return policy_says
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._finish("completed")
+
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        self._finish("failed")
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._patched is not None:
+            vars(self._patched).pop("log", None)
+            self._patched = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    # -- checkpoint contents -----------------------------------------------------------------
+
+    def on_load_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Restored here, before the fit loop builds its dataloader iterator, which draws a seed.
+        if RNG_KEY in checkpoint:
+            restore_rng(checkpoint[RNG_KEY])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "dirpath": str(self.dirpath),
+            "run_id": self.run_id,
+            "decided_through": self._decided_through,
+            "cost_estimate": self._cost_estimate,
+            "policy": self.policy.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state_dict["policy"])
+        self._decided_through = int(state_dict["decided_through"])
+        self._cost_estimate = state_dict["cost_estimate"]
+        previous = state_dict["run_id"]
+        if previous is not None:
+            self.resumed_from = (
+                f"{state_dict['dirpath']}#run_{previous:04d}@epoch={self._decided_through}"
+            )
+            if self.run_id is not None:
+                self.store.mark_resumed(self.run_id, self.resumed_from)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _estimate_cost(self, trainer: Trainer, pl_module: LightningModule) -> float:
+        """The mean measured cost of this run's checkpoints; before the first, a measured probe.
+
+        The mean, not the last value: with buffered small checkpoints most cost a copy and every
+        few a fork, and the mean is what one more checkpoint costs on average.
+        """
+        if self.policy.checkpoints:
+            return self.policy.total_materialize / self.policy.checkpoints
+        if self._cost_estimate is None:
+            nbytes = tensor_bytes(pl_module.state_dict()) + tensor_bytes(
+                [optimizer.state_dict() for optimizer in trainer.optimizers]
+            )
+            self._cost_estimate = self._materializer.probe_cost(
+                nbytes, self.store.run_dir(self.run_id)
+            )
+        return self._cost_estimate
+
+    def _checkpoint(self, trainer: Trainer, epoch: int, estimate: float) -> float:
+        start = time.perf_counter()
+        # Counted before the dump so the policy state inside the checkpoint includes this one.
+        self.policy.checkpointed(estimate)
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint[RNG_KEY] = capture_rng()
+        path = self.store.run_dir(self.run_id) / f"epoch={epoch:04d}.ckpt"
+        record = checkpoint_recorder(self.store.db_path, self.run_id, epoch, trainer.global_step)
+        self._materializer.submit(WriteJob(checkpoint, path, record))
+        measured = time.perf_counter() - start
+        self.policy.revise_last_cost(estimate, measured)
+        return measured
+
+    def _patch_log(self, pl_module: LightningModule, trainer: Trainer) -> None:
+        # An instance attribute shadows LightningModule.log (log_dict goes through it too);
+        # teardown removes it again, leaving the user's module as it was.
+        original = pl_module.log
+        pending = self._pending
+        run_id = self.run_id
+
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if isinstance(value, torch.Tensor):
+                recorded: Any = value.detach()
+            elif isinstance(value, (int, float)):
+                recorded = float(value)
+            else:  # e.g. a torchmetrics Metric: its value exists only once Lightning computes it
+                recorded = None
+            # Sanity-check values are discarded by Lightning too: they are not part of the run.
+            if recorded is not None and not trainer.sanity_checking:
+                pending.append(
+                    (
+                        run_id,
+                        trainer.current_epoch,
+                        trainer.global_step,
+                        name,
+                        recorded,
+                        pl_module._current_fx_name,
+                        "record",
+                        None,
+                    )
+                )
+            return original(name, value, *args, **kwargs)
+
+        pl_module.log = log
+        self._patched = pl_module
+
+    def _flush(self) -> None:
+        if not self._pending or self._store is None:
+            return
+        rows = [
+            (*row[:4], row[4].item() if isinstance(row[4], torch.Tensor) else row[4], *row[5:])
+            for row in self._pending
+        ]
+        self._pending.clear()
+        self._store.add_metrics(rows)
+
+    def _finish(self, status: str) -> None:
+        if self.run_id is None or self._materializer is None:
+            return
+        self._flush()
+        self._materializer.close()
+        for failure in self._materializer.failures:
+            warnings.warn(f"HindsightCallback: {failure}", stacklevel=2)
+        self.store.finish_run(self.run_id, status)
+        if status == "completed":
+            rank_zero_info(
+                f"HindsightCallback: recorded {self.store.run_dir(self.run_id)} "
+                f"({self.policy.epochs} epochs, {self.policy.checkpoints} checkpoints, "
+                f"main-thread overhead {self.policy.overhead:.2%} of compute, "
+                f"budget {self.policy.epsilon:.2%})"
+            )
+        self._materializer = None

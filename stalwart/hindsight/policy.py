@@ -1,0 +1,151 @@
+"""Adaptive checkpoint period: Flor's Joint Invariant (Garcia et al., VLDB 2021, Eq. 4).
+
+After an epoch ran and before anything is materialized, checkpoint it only if
+
+    M / C < n / (k + 1) * min(1 / (1 + c), eps)
+
+M: main-thread cost of materializing one checkpoint, C: compute time of one epoch, n: epochs so far
+(this one included), k: checkpoints taken so far, c: restore/materialize cost ratio, eps: the record
+overhead budget. The ``k + 1`` makes the invariant keep holding *after* this checkpoint is taken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from stalwart.errors import ConfigurationError
+
+#: Flor's measured mean restore/materialize ratio over its workloads (paper §3.2.2).
+DEFAULT_RESTORE_RATIO = 1.38
+DEFAULT_EPSILON = 1 / 15
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One policy decision, as recorded in the run manifest."""
+
+    epoch: int
+    n: int
+    k: int
+    materialize_cost: float
+    compute_time: float
+    threshold: float
+    checkpoint: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def validate_epsilon(epsilon: float) -> float:
+    if not isinstance(epsilon, (int, float)) or not 0.0 < float(epsilon) < 1.0:
+        raise ConfigurationError(
+            f"epsilon={epsilon!r} is not an overhead budget: pass a fraction in (0, 1), "
+            "e.g. epsilon=1/15 for at most 6.67% record overhead."
+        )
+    return float(epsilon)
+
+
+class JointInvariantPolicy:
+    """Decides at each epoch end whether to checkpoint, keeping record overhead below ``epsilon``.
+
+    The policy is pure: it sees only numbers. ``C`` is taken as the mean epoch compute time so far,
+    which makes the test equivalent to ``(k + 1) * M < eps * sum(C)``: with steady costs the
+    cumulative overhead ``sum(M) / sum(C)`` never exceeds ``eps``, whatever one noisy epoch does.
+    Eq. 4 assumes every checkpoint costs the same; when the cost drifts down over a run, past
+    checkpoints may have cost more than ``M``, so the budget actually spent is checked as well
+    (``sum(M_taken) + M <= eps * sum(C)``).
+
+    Args:
+        epsilon: record overhead budget, a fraction in (0, 1). Default 1/15 (6.67%), as in Flor.
+        restore_ratio: ``c``, the expected restore time as a multiple of the materialize time.
+            Flor starts at 1.0 and refines it from replays; its measured mean is 1.38.
+
+    Example::
+
+        policy = JointInvariantPolicy(epsilon=0.05)
+        for compute, cost in [(10.0, 0.2), (10.0, 0.2)]:
+            if policy.decide(compute_time=compute, materialize_cost=cost).checkpoint:
+                policy.checkpointed(cost)
+    """
+
+    def __init__(
+        self, epsilon: float = DEFAULT_EPSILON, restore_ratio: float = DEFAULT_RESTORE_RATIO
+    ) -> None:
+        self.epsilon = validate_epsilon(epsilon)
+        if restore_ratio < 0:
+            raise ConfigurationError(f"restore_ratio={restore_ratio!r} must be >= 0.")
+        self.restore_ratio = float(restore_ratio)
+        self.epochs = 0
+        self.checkpoints = 0
+        self.total_compute = 0.0
+        self.total_materialize = 0.0
+
+    @property
+    def budget(self) -> float:
+        """``min(1/(1+c), eps)``: the per-checkpoint ratio both invariants allow."""
+        return min(1.0 / (1.0 + self.restore_ratio), self.epsilon)
+
+    @property
+    def overhead(self) -> float:
+        """Cumulative measured overhead so far: ``sum(M) / sum(C)``."""
+        return self.total_materialize / self.total_compute if self.total_compute > 0 else 0.0
+
+    def should_checkpoint(
+        self, n: int, k: int, materialize_cost: float, compute_time: float
+    ) -> bool:
+        """The Joint Invariant itself (Eq. 4); override to plug in another policy."""
+        if compute_time <= 0:
+            return False
+        return materialize_cost / compute_time < n / (k + 1) * self.budget
+
+    def decide(
+        self, *, compute_time: float, materialize_cost: float, epoch: int | None = None
+    ) -> Decision:
+        """Account one finished epoch and decide whether to checkpoint it.
+
+        Args:
+            compute_time: seconds the epoch took, excluding materialization.
+            materialize_cost: the expected main-thread seconds of one checkpoint.
+            epoch: the epoch index to record in the decision (defaults to the count so far).
+        """
+        self.epochs += 1
+        self.total_compute += max(compute_time, 0.0)
+        n, k = self.epochs, self.checkpoints
+        mean_compute = self.total_compute / n
+        take = self.should_checkpoint(n, k, materialize_cost, mean_compute) and (
+            self.total_materialize + materialize_cost <= self.epsilon * self.total_compute
+        )
+        return Decision(
+            epoch=n - 1 if epoch is None else epoch,
+            n=n,
+            k=k,
+            materialize_cost=materialize_cost,
+            compute_time=compute_time,
+            threshold=n / (k + 1) * self.budget,
+            checkpoint=take,
+        )
+
+    def checkpointed(self, materialize_cost: float) -> None:
+        """Account a checkpoint that was taken, with its measured main-thread cost."""
+        self.checkpoints += 1
+        self.total_materialize += max(materialize_cost, 0.0)
+
+    def revise_last_cost(self, estimated: float, measured: float) -> None:
+        """Replace the estimate a checkpoint was accounted with by its measured cost."""
+        self.total_materialize += max(measured, 0.0) - max(estimated, 0.0)
+
+    def state_dict(self) -> dict:
+        return {
+            "epochs": self.epochs,
+            "checkpoints": self.checkpoints,
+            "total_compute": self.total_compute,
+            "total_materialize": self.total_materialize,
+            "restore_ratio": self.restore_ratio,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epochs = int(state["epochs"])
+        self.checkpoints = int(state["checkpoints"])
+        self.total_compute = float(state["total_compute"])
+        self.total_materialize = float(state["total_materialize"])
+        self.restore_ratio = float(state.get("restore_ratio", self.restore_ratio))

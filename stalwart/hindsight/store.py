@@ -1,0 +1,379 @@
+"""The hindsight store: one embedded SQLite database (WAL mode) per run directory.
+
+It holds every value a run logs (one row per ``log`` call, tagged record or replay), and each run's
+manifest: hyperparameters, hook fingerprints, the policy's decision per epoch (n, k, M, C) and the
+checkpoint index (epoch -> file, size, CRC-32). Checkpoint rows are written by whichever process
+wrote the file, after the rename, so a row always names a complete file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from stalwart.errors import RunDirectoryError, RunNotFoundError
+from stalwart.hindsight.checkpoint_file import WrittenFile, read_checkpoint
+
+DB_NAME = "hindsight.db"
+#: SQLite's application_id header field: marks a database as ours ("STWL").
+APPLICATION_ID = 0x5354574C
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_MS = 30_000
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL,
+    started REAL NOT NULL,
+    finished REAL,
+    status TEXT NOT NULL,
+    resumed_from TEXT,
+    hparams TEXT NOT NULL,
+    fingerprints TEXT NOT NULL,
+    config TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS metrics (
+    run_id INTEGER NOT NULL,
+    epoch INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    name TEXT NOT NULL,
+    value REAL,
+    hook TEXT,
+    source TEXT NOT NULL,
+    replay_id TEXT
+);
+CREATE INDEX IF NOT EXISTS metrics_by_name ON metrics (run_id, name, source);
+CREATE TABLE IF NOT EXISTS decisions (
+    run_id INTEGER NOT NULL,
+    epoch INTEGER NOT NULL,
+    n INTEGER NOT NULL,
+    k INTEGER NOT NULL,
+    materialize_cost REAL NOT NULL,
+    compute_time REAL NOT NULL,
+    threshold REAL NOT NULL,
+    checkpoint INTEGER NOT NULL,
+    measured_cost REAL,
+    PRIMARY KEY (run_id, epoch)
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    run_id INTEGER NOT NULL,
+    epoch INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    nbytes INTEGER NOT NULL,
+    crc32 INTEGER NOT NULL,
+    write_seconds REAL NOT NULL,
+    written_at REAL NOT NULL,
+    PRIMARY KEY (run_id, epoch)
+);
+"""
+
+
+def _connect(db: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(db, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    return conn
+
+
+def _check_ours(db: Path) -> None:
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        raise RunDirectoryError(
+            f"{db} exists but is not a stalwart hindsight database ({exc}); "
+            "point dirpath at a new or empty directory."
+        ) from None
+    if app_id != APPLICATION_ID:
+        raise RunDirectoryError(
+            f"{db} is a SQLite database of another application; stalwart will not touch it. "
+            "Point dirpath at a new or empty directory."
+        )
+
+
+def prepare_directory(dirpath: str | os.PathLike) -> Path:
+    """Create or validate a run directory for writing; never modifies anything that is not ours."""
+    root = Path(dirpath).expanduser()
+    if root.exists() and not root.is_dir():
+        raise RunDirectoryError(f"dirpath {root} exists and is not a directory; pass a directory.")
+    db = root / DB_NAME
+    if root.is_dir():
+        if db.exists():
+            _check_ours(db)
+        elif any(root.iterdir()):
+            raise RunDirectoryError(
+                f"dirpath {root} already holds files and no {DB_NAME}: it is not a stalwart run "
+                "directory. Pass a new or empty directory (or one stalwart created)."
+            )
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".stalwart-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise RunDirectoryError(
+            f"dirpath {root} is not writable ({exc.strerror or exc}); pass a directory you can "
+            "write to."
+        ) from None
+    return root
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """One row of a run's checkpoint index."""
+
+    run_id: int
+    epoch: int
+    step: int
+    path: Path
+    nbytes: int
+    crc32: int
+
+    def load(self, map_location: Any = "cpu") -> dict:
+        """The checkpoint's contents, verified against its recorded size and CRC-32."""
+        return read_checkpoint(self.path, self.nbytes, self.crc32, map_location=map_location)
+
+
+class HindsightStore:
+    """A run directory's database. Use :func:`stalwart.hindsight.open` to read one.
+
+    Args:
+        dirpath: the run directory holding ``hindsight.db`` and the runs' checkpoint folders.
+        create: create the directory and database if missing (for recording).
+
+    Example::
+
+        store = HindsightStore("runs")
+        run = store.runs()[-1]
+        run.metrics("val_loss")
+    """
+
+    def __init__(self, dirpath: str | os.PathLike, create: bool = False) -> None:
+        if create:
+            self.root = prepare_directory(dirpath)
+        else:
+            self.root = Path(dirpath).expanduser()
+            if not (self.root / DB_NAME).is_file():
+                raise RunNotFoundError(
+                    f"no hindsight record in {self.root} (no {DB_NAME}); record a run there with "
+                    "HindsightCallback(dirpath=...) first."
+                )
+            _check_ours(self.root / DB_NAME)
+        self.db_path = self.root / DB_NAME
+        self._conn = _connect(self.db_path)
+        if create:
+            self._conn.execute("PRAGMA journal_mode = WAL")
+            self._conn.execute("PRAGMA synchronous = NORMAL")
+            self._conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+            self._conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            self._conn.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> HindsightStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def begin_run(
+        self,
+        *,
+        hparams: dict,
+        fingerprints: dict,
+        config: dict,
+        resumed_from: str | None = None,
+    ) -> int:
+        cur = self._conn.execute(
+            "INSERT INTO runs (name, started, status, resumed_from, hparams, fingerprints, config)"
+            " VALUES ('', ?, 'running', ?, ?, ?, ?)",
+            (
+                time.time(),
+                resumed_from,
+                json.dumps(hparams, default=repr, sort_keys=True),
+                json.dumps(fingerprints, sort_keys=True),
+                json.dumps(config, default=repr, sort_keys=True),
+            ),
+        )
+        run_id = int(cur.lastrowid)
+        self._conn.execute(
+            "UPDATE runs SET name = ? WHERE run_id = ?", (f"run_{run_id:04d}", run_id)
+        )
+        self.run_dir(run_id).mkdir(exist_ok=True)
+        return run_id
+
+    def run_dir(self, run_id: int) -> Path:
+        return self.root / f"run_{run_id:04d}"
+
+    def mark_resumed(self, run_id: int, resumed_from: str) -> None:
+        self._conn.execute(
+            "UPDATE runs SET resumed_from = ? WHERE run_id = ?", (resumed_from, run_id)
+        )
+
+    def finish_run(self, run_id: int, status: str) -> None:
+        self._conn.execute(
+            "UPDATE runs SET finished = ?, status = ? WHERE run_id = ?",
+            (time.time(), status, run_id),
+        )
+
+    def add_metrics(self, rows: Iterable[Sequence]) -> None:
+        """Insert ``(run_id, epoch, step, name, value, hook, source, replay_id)`` rows at once."""
+        with self._conn:
+            self._conn.execute("BEGIN")
+            self._conn.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+
+    def add_decision(self, run_id: int, decision: dict, measured_cost: float | None) -> None:
+        self._conn.execute(
+            "INSERT OR REPLACE INTO decisions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                run_id,
+                decision["epoch"],
+                decision["n"],
+                decision["k"],
+                decision["materialize_cost"],
+                decision["compute_time"],
+                decision["threshold"],
+                int(decision["checkpoint"]),
+                measured_cost,
+            ),
+        )
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def runs(self) -> list[Run]:
+        """Every recorded run, oldest first."""
+        ids = self._conn.execute("SELECT run_id FROM runs ORDER BY run_id").fetchall()
+        return [Run(self, run_id) for (run_id,) in ids]
+
+    def run(self, run: int | str | None = None) -> Run:
+        """A run by id or name (``"run_0003"``); the latest when ``run`` is None."""
+        if run is None:
+            row = self._conn.execute("SELECT max(run_id) FROM runs").fetchone()
+        elif isinstance(run, str):
+            row = self._conn.execute("SELECT run_id FROM runs WHERE name = ?", (run,)).fetchone()
+        else:
+            row = self._conn.execute("SELECT run_id FROM runs WHERE run_id = ?", (run,)).fetchone()
+        if row is None or row[0] is None:
+            known = ", ".join(r.name for r in self.runs()) or "none"
+            raise RunNotFoundError(f"no run {run!r} in {self.root} (recorded runs: {known}).")
+        return Run(self, int(row[0]))
+
+    def query(self, sql: str, params: Sequence = ()) -> pd.DataFrame:
+        return pd.read_sql_query(sql, self._conn, params=params)
+
+
+def checkpoint_recorder(db_path: Path, run_id: int, epoch: int, step: int):
+    """A function that indexes a written checkpoint; it runs in the writing (child) process.
+
+    It opens its own connection: a connection must never cross a ``fork``.
+    """
+
+    def record(written: WrittenFile) -> None:
+        conn = _connect(db_path)
+        try:
+            conn.execute(
+                "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    run_id,
+                    epoch,
+                    step,
+                    os.path.relpath(written.path, db_path.parent),
+                    written.nbytes,
+                    written.crc32,
+                    written.seconds,
+                    time.time(),
+                ),
+            )
+        finally:
+            conn.close()
+
+    return record
+
+
+class Run:
+    """One recorded run: its manifest, logged values and checkpoints."""
+
+    def __init__(self, store: HindsightStore, run_id: int) -> None:
+        self.store = store
+        self.run_id = run_id
+        row = store._conn.execute(
+            "SELECT name, started, finished, status, resumed_from, hparams, fingerprints, config"
+            " FROM runs WHERE run_id = ?",
+            (run_id,),
+        ).fetchone()
+        self.name, self.started, self.finished, self.status, self.resumed_from = row[:5]
+        self.hparams: dict = json.loads(row[5])
+        self.fingerprints: dict = json.loads(row[6])
+        self.config: dict = json.loads(row[7])
+
+    def __repr__(self) -> str:
+        return f"Run({self.name!r}, status={self.status!r})"
+
+    def metric_names(self) -> list[str]:
+        rows = self.store._conn.execute(
+            "SELECT DISTINCT name FROM metrics WHERE run_id = ? ORDER BY name", (self.run_id,)
+        ).fetchall()
+        return [name for (name,) in rows]
+
+    def metrics(self, name: str, source: str | None = None) -> pd.DataFrame:
+        """Every value logged under ``name``: columns epoch, step, value, source (and hook).
+
+        One row per ``log`` call, in the order they were logged; ``source`` is ``"record"`` or
+        ``"replay"``. Pass ``source=`` to keep one of them.
+        """
+        sql = (
+            "SELECT epoch, step, value, source, hook, replay_id FROM metrics"
+            " WHERE run_id = ? AND name = ?"
+        )
+        params: list = [self.run_id, name]
+        if source is not None:
+            sql += " AND source = ?"
+            params.append(source)
+        frame = self.store.query(sql + " ORDER BY rowid", params)
+        if frame.empty and name not in self.metric_names():
+            raise RunNotFoundError(
+                f"{self.name} logged no metric {name!r}; "
+                f"it logged: {', '.join(self.metric_names())}."
+            )
+        return frame
+
+    def decisions(self) -> pd.DataFrame:
+        """The checkpoint policy's decision per epoch (n, k, estimated and measured M, C)."""
+        return self.store.query(
+            "SELECT epoch, n, k, materialize_cost, measured_cost, compute_time, threshold,"
+            " checkpoint FROM decisions WHERE run_id = ? ORDER BY epoch",
+            (self.run_id,),
+        )
+
+    def checkpoints(self) -> list[CheckpointEntry]:
+        """The complete checkpoints of this run, by epoch."""
+        rows = self.store._conn.execute(
+            "SELECT epoch, step, path, nbytes, crc32 FROM checkpoints WHERE run_id = ?"
+            " ORDER BY epoch",
+            (self.run_id,),
+        ).fetchall()
+        return [
+            CheckpointEntry(self.run_id, epoch, step, self.store.root / path, nbytes, crc32)
+            for epoch, step, path, nbytes, crc32 in rows
+        ]
+
+    def checkpoint(self, epoch: int) -> CheckpointEntry:
+        for entry in self.checkpoints():
+            if entry.epoch == epoch:
+                return entry
+        have = [entry.epoch for entry in self.checkpoints()]
+        raise RunNotFoundError(f"{self.name} has no checkpoint of epoch {epoch} (it has {have}).")
