@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import lightning
@@ -12,10 +13,12 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from stalwart.hindsight.fingerprint import hook_fingerprints
 from stalwart.hindsight.materializer import Materializer, WriteJob, make_materializer, tensor_bytes
 from stalwart.hindsight.policy import (
+    Decision,
     DEFAULT_EPSILON,
     DEFAULT_RESTORE_RATIO,
     JointInvariantPolicy,
@@ -52,8 +55,7 @@ class HindsightCallback(Callback):
         trainer.fit(model, datamodule)
         stalwart.hindsight.open("runs").run().metrics("val_loss")
 
-    Place it first in ``callbacks``: it snapshots during ``on_train_epoch_end``, and on resume
-    Lightning calls the ``on_train_epoch_end`` of callbacks listed before it once more.
+    Checkpoints are taken between epochs, after every epoch-end hook and the LR step have run.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class HindsightCallback(Callback):
         self._materializer: Materializer | None = None
         self._decided_through = -1
         self._cost_estimate: float | None = None
+        self._due: Decision | None = None
         self._clock = 0.0
         self._pending: list[tuple] = []
         self._patched: LightningModule | None = None
@@ -107,6 +110,7 @@ class HindsightCallback(Callback):
             },
         )
         self._patch_log(pl_module, trainer)
+        self._hook_epoch_boundary(trainer)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._clock = time.perf_counter()
@@ -121,7 +125,6 @@ class HindsightCallback(Callback):
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         epoch = trainer.current_epoch
-        # On resume Lightning runs the checkpointed epoch's end hooks again: decided already.
         if self.run_id is None or epoch <= self._decided_through:
             return
         self._flush()
@@ -130,11 +133,15 @@ class HindsightCallback(Callback):
         decision = self.policy.decide(
             compute_time=compute_time, materialize_cost=estimate, epoch=epoch
         )
+        decision = replace(decision, checkpoint=self.should_checkpoint(trainer, decision.checkpoint))
         self._decided_through = epoch
-        measured = None
-        if self.should_checkpoint(trainer, decision.checkpoint):
-            measured = self._checkpoint(trainer, epoch, estimate)
-        self.store.add_decision(self.run_id, decision.as_dict(), measured)
+        if decision.checkpoint:
+            # Materialized once the epoch has fully ended (see _hook_epoch_boundary): the module's
+            # own on_train_epoch_end and the epoch-interval LR step still run after this hook.
+            self.policy.checkpointed(estimate)
+            self._due = decision
+        else:
+            self.store.add_decision(self.run_id, decision.as_dict(), None)
         self._clock = time.perf_counter()
 
     def should_checkpoint(self, trainer: Trainer, policy_says: bool) -> bool:
@@ -150,6 +157,7 @@ class HindsightCallback(Callback):
         self._finish("failed")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        vars(trainer.fit_loop).pop("on_advance_end", None)
         if self._patched is not None:
             vars(self._patched).pop("log", None)
             self._patched = None
@@ -206,18 +214,47 @@ class HindsightCallback(Callback):
             )
         return self._cost_estimate
 
-    def _checkpoint(self, trainer: Trainer, epoch: int, estimate: float) -> float:
+    def _hook_epoch_boundary(self, trainer: Trainer) -> None:
+        """Materialize right after the fit loop finishes an epoch, the one exact resume point.
+
+        No callback hook runs there: a snapshot in ``on_train_epoch_end`` misses the module's own
+        epoch-end hook and the LR step, and one in the next ``on_train_epoch_start`` has loop
+        counters that Lightning's restart logic reads as a later epoch. So the fit loop's
+        ``on_advance_end`` is wrapped for this fit (teardown removes the wrapper).
+        """
+        loop = trainer.fit_loop
+        advance_end = loop.on_advance_end
+
+        def on_advance_end() -> None:
+            try:
+                advance_end()
+            except SIGTERMException:  # raised after the epoch completed: the state is whole
+                self._materialize_due(trainer)
+                raise
+            except BaseException:
+                self._due = None
+                raise
+            self._materialize_due(trainer)
+
+        loop.on_advance_end = on_advance_end
+
+    def _materialize_due(self, trainer: Trainer) -> None:
+        decision, self._due = self._due, None
+        if decision is None:
+            return
         start = time.perf_counter()
-        # Counted before the dump so the policy state inside the checkpoint includes this one.
-        self.policy.checkpointed(estimate)
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         checkpoint[RNG_KEY] = capture_rng()
-        path = self.store.run_dir(self.run_id) / f"epoch={epoch:04d}.ckpt"
-        record = checkpoint_recorder(self.store.db_path, self.run_id, epoch, trainer.global_step)
+        path = self.store.run_dir(self.run_id) / f"epoch={decision.epoch:04d}.ckpt"
+        record = checkpoint_recorder(
+            self.store.db_path, self.run_id, decision.epoch, trainer.global_step
+        )
         self._materializer.submit(WriteJob(checkpoint, path, record))
         measured = time.perf_counter() - start
-        self.policy.revise_last_cost(estimate, measured)
-        return measured
+        self.policy.revise_last_cost(decision.materialize_cost, measured)
+        self.store.add_decision(self.run_id, decision.as_dict(), measured)
+        # The epoch clock restarts after the checkpoint: C must not include M.
+        self._clock += measured
 
     def _patch_log(self, pl_module: LightningModule, trainer: Trainer) -> None:
         # An instance attribute shadows LightningModule.log (log_dict goes through it too);

@@ -1,0 +1,23 @@
+"""Shared test setup: the examples folder (the digits workload) is importable from every test."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+# Two cores: keep torch from oversubscribing them when tests spawn processes.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_lightning_tips():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        yield
