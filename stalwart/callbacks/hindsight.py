@@ -16,11 +16,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from stalwart.hindsight.fingerprint import hook_fingerprints
+from stalwart.hindsight.interference import InterferenceMeter
 from stalwart.hindsight.materializer import Materializer, WriteJob, make_materializer, tensor_bytes
 from stalwart.hindsight.policy import (
-    Decision,
     DEFAULT_EPSILON,
     DEFAULT_RESTORE_RATIO,
+    Decision,
     JointInvariantPolicy,
 )
 from stalwart.hindsight.rng import RNG_KEY, capture_rng, restore_rng
@@ -75,7 +76,10 @@ class HindsightCallback(Callback):
         self._materializer: Materializer | None = None
         self._decided_through = -1
         self._cost_estimate: float | None = None
-        self._due: Decision | None = None
+        self._due: tuple[Decision, float] | None = None
+        self._interference = InterferenceMeter()
+        self._batch: tuple[float, bool, bool] = (0.0, False, False)
+        self._warmup = True
         self._clock = 0.0
         self._pending: list[tuple] = []
         self._patched: LightningModule | None = None
@@ -114,11 +118,24 @@ class HindsightCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._clock = time.perf_counter()
+        self._warmup = True
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._materializer is not None:
+            self._batch = (time.perf_counter(), batch_idx == 0, self._materializer.busy)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if self._materializer is None:
+            return
+        started, first, shadowed = self._batch
+        self._interference.observe(
+            time.perf_counter() - started, first=first, shadowed=shadowed, warmup=self._warmup
+        )
+        self._warmup = False  # the fit's first batch allocates optimizer state: no baseline
         self._flush()
-        if self._materializer is not None:
-            self._materializer.poll()
+        self._materializer.poll()
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._flush()
@@ -128,20 +145,24 @@ class HindsightCallback(Callback):
         if self.run_id is None or epoch <= self._decided_through:
             return
         self._flush()
-        compute_time = time.perf_counter() - self._clock
+        interference = self._interference.take()
+        self.policy.charge(interference)
+        compute_time = time.perf_counter() - self._clock - interference
         estimate = self._estimate_cost(trainer, pl_module)
         decision = self.policy.decide(
             compute_time=compute_time, materialize_cost=estimate, epoch=epoch
         )
-        decision = replace(decision, checkpoint=self.should_checkpoint(trainer, decision.checkpoint))
+        decision = replace(
+            decision, checkpoint=self.should_checkpoint(trainer, decision.checkpoint)
+        )
         self._decided_through = epoch
         if decision.checkpoint:
             # Materialized once the epoch has fully ended (see _hook_epoch_boundary): the module's
             # own on_train_epoch_end and the epoch-interval LR step still run after this hook.
             self.policy.checkpointed(estimate)
-            self._due = decision
+            self._due = (decision, interference)
         else:
-            self.store.add_decision(self.run_id, decision.as_dict(), None)
+            self.store.add_decision(self.run_id, decision.as_dict(), None, interference)
         self._clock = time.perf_counter()
 
     def should_checkpoint(self, trainer: Trainer, policy_says: bool) -> bool:
@@ -200,8 +221,9 @@ class HindsightCallback(Callback):
     def _estimate_cost(self, trainer: Trainer, pl_module: LightningModule) -> float:
         """The mean measured cost of this run's checkpoints; before the first, a measured probe.
 
-        The mean, not the last value: with buffered small checkpoints most cost a copy and every
-        few a fork, and the mean is what one more checkpoint costs on average.
+        Measured cost is main-thread time plus the slowdown background writes caused (see
+        :mod:`stalwart.hindsight.interference`). The mean, not the last value: with buffered small
+        checkpoints most cost a copy and every few a fork; the mean is what one more costs.
         """
         if self.policy.checkpoints:
             return self.policy.total_materialize / self.policy.checkpoints
@@ -239,9 +261,10 @@ class HindsightCallback(Callback):
         loop.on_advance_end = on_advance_end
 
     def _materialize_due(self, trainer: Trainer) -> None:
-        decision, self._due = self._due, None
-        if decision is None:
+        due, self._due = self._due, None
+        if due is None:
             return
+        decision, interference = due
         start = time.perf_counter()
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         checkpoint[RNG_KEY] = capture_rng()
@@ -252,7 +275,7 @@ class HindsightCallback(Callback):
         self._materializer.submit(WriteJob(checkpoint, path, record))
         measured = time.perf_counter() - start
         self.policy.revise_last_cost(decision.materialize_cost, measured)
-        self.store.add_decision(self.run_id, decision.as_dict(), measured)
+        self.store.add_decision(self.run_id, decision.as_dict(), measured, interference)
         # The epoch clock restarts after the checkpoint: C must not include M.
         self._clock += measured
 
@@ -311,7 +334,7 @@ class HindsightCallback(Callback):
             rank_zero_info(
                 f"HindsightCallback: recorded {self.store.run_dir(self.run_id)} "
                 f"({self.policy.epochs} epochs, {self.policy.checkpoints} checkpoints, "
-                f"main-thread overhead {self.policy.overhead:.2%} of compute, "
+                f"checkpoint cost {self.policy.overhead:.2%} of compute, "
                 f"budget {self.policy.epsilon:.2%})"
             )
         self._materializer = None

@@ -92,6 +92,11 @@ class Materializer(ABC):
     def probe_cost(self, nbytes: int, directory: Path) -> float:
         """Measure, without writing a checkpoint, what submitting ``nbytes`` of state would cost."""
 
+    @property
+    def busy(self) -> bool:
+        """Whether background writes may be competing with training right now."""
+        return False
+
     def poll(self) -> None:  # noqa: B027 - nothing runs in the background by default
         """Collect finished background work without blocking."""
 
@@ -169,20 +174,39 @@ class ForkMaterializer(Materializer):
         torch.save({"warm": torch.zeros(1)}, _NullWriter())
 
     def probe_cost(self, nbytes: int, directory: Path) -> float:
-        """A small state costs a copy into the buffer; a large one a fork, which grows with the
-        process's mapped memory. Either is measured here, now."""
+        """A small state costs a copy into the buffer; a large one a fork (which grows with the
+        process's mapped memory) plus the copy-on-write faults it causes. Measured here, now."""
         if nbytes < self.small_bytes:
             state = torch.empty(max(nbytes, 1), dtype=torch.uint8)
             start = time.perf_counter()
             copy.deepcopy(state)
             return time.perf_counter() - start
+        # Copy-on-write faults are the larger part: every page the next optimizer step writes is
+        # copied while a child holds it. Measure them on a probe buffer, scale to the state.
+        probe_bytes = max(1, min(nbytes, 16 << 20))
+        probe = torch.ones(probe_bytes, dtype=torch.uint8)
+        read_end, write_end = os.pipe()
         start = time.perf_counter()
         pid = os.fork()
         if pid == 0:
+            os.read(read_end, 1)
             os._exit(0)
-        cost = time.perf_counter() - start
+        fork_cost = time.perf_counter() - start
+        start = time.perf_counter()
+        probe.add_(1)
+        shared_write = time.perf_counter() - start
+        start = time.perf_counter()
+        probe.add_(1)
+        private_write = time.perf_counter() - start
+        os.write(write_end, b"x")
         os.waitpid(pid, 0)
-        return cost
+        os.close(read_end)
+        os.close(write_end)
+        return fork_cost + max(shared_write - private_write, 0.0) * nbytes / probe_bytes
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._children)
 
     @property
     def live_children(self) -> int:
@@ -242,6 +266,7 @@ class ForkMaterializer(Materializer):
                 # Ctrl-C in the terminal reaches the whole process group: finish the write anyway.
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.nice(10)  # yield the cores to training when they are contended
                 torch.set_num_threads(1)
                 _run_jobs(jobs)
                 code = 0

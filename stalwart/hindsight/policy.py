@@ -130,6 +130,10 @@ class JointInvariantPolicy:
         self.checkpoints += 1
         self.total_materialize += max(materialize_cost, 0.0)
 
+    def charge(self, cost: float) -> None:
+        """Add checkpoint cost measured after the fact (background interference) to the budget."""
+        self.total_materialize += max(cost, 0.0)
+
     def revise_last_cost(self, estimated: float, measured: float) -> None:
         """Replace the estimate a checkpoint was accounted with by its measured cost."""
         self.total_materialize += max(measured, 0.0) - max(estimated, 0.0)

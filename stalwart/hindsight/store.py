@@ -61,6 +61,7 @@ CREATE TABLE IF NOT EXISTS decisions (
     threshold REAL NOT NULL,
     checkpoint INTEGER NOT NULL,
     measured_cost REAL,
+    interference REAL NOT NULL DEFAULT 0,
     PRIMARY KEY (run_id, epoch)
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
@@ -236,9 +237,11 @@ class HindsightStore:
             self._conn.execute("BEGIN")
             self._conn.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
-    def add_decision(self, run_id: int, decision: dict, measured_cost: float | None) -> None:
+    def add_decision(
+        self, run_id: int, decision: dict, measured_cost: float | None, interference: float
+    ) -> None:
         self._conn.execute(
-            "INSERT OR REPLACE INTO decisions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO decisions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 run_id,
                 decision["epoch"],
@@ -249,6 +252,7 @@ class HindsightStore:
                 decision["threshold"],
                 int(decision["checkpoint"]),
                 measured_cost,
+                interference,
             ),
         )
 
@@ -352,10 +356,15 @@ class Run:
         return frame
 
     def decisions(self) -> pd.DataFrame:
-        """The checkpoint policy's decision per epoch (n, k, estimated and measured M, C)."""
+        """The checkpoint policy's decision per epoch.
+
+        Columns: epoch, n, k, materialize_cost (the M estimate decided on), measured_cost (main
+        thread, when a checkpoint was taken), interference (slowdown of this epoch's batches by
+        background writes), compute_time (C), threshold, checkpoint.
+        """
         return self.store.query(
-            "SELECT epoch, n, k, materialize_cost, measured_cost, compute_time, threshold,"
-            " checkpoint FROM decisions WHERE run_id = ? ORDER BY epoch",
+            "SELECT epoch, n, k, materialize_cost, measured_cost, interference, compute_time,"
+            " threshold, checkpoint FROM decisions WHERE run_id = ? ORDER BY epoch",
             (self.run_id,),
         )
 

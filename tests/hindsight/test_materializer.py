@@ -1,0 +1,123 @@
+"""Background materialization: snapshot isolation, atomic files, bounded children, no zombies."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from stalwart.hindsight.checkpoint_file import WrittenFile, read_checkpoint
+from stalwart.hindsight.materializer import (
+    ForkMaterializer,
+    InlineMaterializer,
+    WriteJob,
+    make_materializer,
+)
+
+MB = 1 << 20
+
+
+def zombie_children() -> list[int]:
+    """Pids of this process's children that exited and were never reaped."""
+    zombies = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z" and int(fields[1]) == os.getpid():
+            zombies.append(int(stat.parent.name))
+    return zombies
+
+
+def big_state(mb: int = 64) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    return {"weight": torch.randn(mb * MB // 4, generator=gen), "step": 3}
+
+
+def written(results: list, path) -> dict:
+    (entry,) = [r for r in results if r.path == str(path)]
+    return read_checkpoint(path, entry.nbytes, entry.crc32)
+
+
+class Recorder:
+    """Collects WrittenFile results; from a forked child it appends to a file instead."""
+
+    def __init__(self, log_path) -> None:
+        self.log_path = log_path
+
+    def __call__(self, result) -> None:
+        with open(self.log_path, "a") as f:
+            f.write(f"{result.path}\t{result.nbytes}\t{result.crc32}\n")
+
+    def results(self) -> list:
+        rows = [line.split("\t") for line in Path(self.log_path).read_text().splitlines()]
+        return [WrittenFile(p, int(n), int(c), 0.0) for p, n, c in rows]
+
+
+@pytest.mark.parametrize("small_bytes", [1 << 30, 0], ids=["buffered-copy", "fork-cow"])
+def test_mutating_state_right_after_submit_never_changes_what_is_written(tmp_path, small_bytes):
+    materializer = ForkMaterializer(small_bytes=small_bytes, max_delay=0.0)
+    recorder = Recorder(tmp_path / "index.tsv")
+    state = big_state(32)
+    expected = state["weight"].clone()
+    path = tmp_path / "ckpt.pt"
+    materializer.submit(WriteJob(state, path, recorder))
+    state["weight"].mul_(-1.0).add_(7.0)  # in place, as an optimizer step would
+    state["step"] = 4
+    materializer.close()
+    loaded = written(recorder.results(), path)
+    assert torch.equal(loaded["weight"], expected)
+    assert loaded["step"] == 3
+    assert materializer.forks == 1
+
+
+def test_small_checkpoints_are_batched_into_one_fork(tmp_path):
+    materializer = ForkMaterializer(small_bytes=MB, max_buffered=5, max_delay=3600)
+    recorder = Recorder(tmp_path / "index.tsv")
+    for i in range(10):
+        state = {"w": torch.full((10,), float(i))}
+        materializer.submit(WriteJob(state, tmp_path / f"{i}.pt", recorder))
+    materializer.close()
+    assert materializer.forks == 2  # 10 objects, 5 per fork
+    results = recorder.results()
+    for i in range(10):
+        assert torch.equal(written(results, tmp_path / f"{i}.pt")["w"], torch.full((10,), float(i)))
+
+
+def test_never_more_than_max_children_and_all_reaped(tmp_path):
+    materializer = ForkMaterializer(small_bytes=0, max_children=2)
+    seen = 0
+    for i in range(6):
+        materializer.submit(WriteJob(big_state(16), tmp_path / f"{i}.pt"))
+        seen = max(seen, materializer.live_children)
+        assert materializer.live_children <= 2
+    materializer.close()
+    assert seen >= 1 and materializer.live_children == 0
+    assert not materializer.failures
+    assert not zombie_children()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{i}.pt" for i in range(6)]
+
+
+def test_failed_child_is_reported(tmp_path):
+    materializer = ForkMaterializer(small_bytes=0)
+    materializer.submit(WriteJob(big_state(1), tmp_path / "missing-dir" / "x.pt"))
+    materializer.close()
+    assert len(materializer.failures) == 1 and "x.pt" in materializer.failures[0]
+
+
+def test_inline_materializer_writes_on_the_calling_thread(tmp_path):
+    recorder = Recorder(tmp_path / "index.tsv")
+    cost = InlineMaterializer().submit(WriteJob(big_state(1), tmp_path / "a.pt", recorder))
+    assert cost > 0
+    loaded = written(recorder.results(), tmp_path / "a.pt")
+    assert torch.equal(loaded["weight"], big_state(1)["weight"])
+
+
+def test_unknown_materializer_is_rejected():
+    from stalwart.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="fork"):
+        make_materializer("thread")
