@@ -70,10 +70,16 @@ class HindsightCallback(Callback):
         self.dirpath = prepare_directory(dirpath)
         self._materializer_spec = materializer
         make_materializer(materializer)  # reject an unknown kind now, not at fit time
-        self.run_id: int | None = None
-        self.resumed_from: str | None = None
         self._store: HindsightStore | None = None
         self._materializer: Materializer | None = None
+        self._patched: LightningModule | None = None
+        self._start_fresh()
+
+    def _start_fresh(self) -> None:
+        """Per-fit state: each fit is a new run (a resume then loads the checkpointed state)."""
+        self.policy = JointInvariantPolicy(self.policy.epsilon, self.policy.restore_ratio)
+        self.run_id: int | None = None
+        self.resumed_from: str | None = None
         self._decided_through = -1
         self._cost_estimate: float | None = None
         self._due: tuple[Decision, float] | None = None
@@ -82,7 +88,6 @@ class HindsightCallback(Callback):
         self._warmup = True
         self._clock = 0.0
         self._pending: list[tuple] = []
-        self._patched: LightningModule | None = None
 
     @property
     def store(self) -> HindsightStore:
@@ -95,6 +100,7 @@ class HindsightCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit" or not trainer.is_global_zero:
             return
+        self._start_fresh()
         self._materializer = make_materializer(self._materializer_spec)
         datamodule = trainer.datamodule
         self.run_id = self.store.begin_run(

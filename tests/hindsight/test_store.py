@@ -64,7 +64,8 @@ def test_every_log_call_is_stored_once_with_epoch_and_step(recorded):
     assert set(train.source) == {"record"} and set(train.hook) == {"training_step"}
     # log_dict goes through log; values are what was passed, bit for bit.
     doubled = run.metrics("double_loss").value.to_numpy()
-    assert (doubled == (torch.tensor(train.value.to_numpy(), dtype=torch.float32) * 2).numpy()).all()
+    losses = torch.tensor(train.value.to_numpy(), dtype=torch.float32)
+    assert (doubled == (losses * 2).numpy()).all()
     # Validation: 2 values per batch, sanity check excluded (Lightning discards it too).
     assert len(run.metrics("val_loss")) == model.calls["val"] == 6
     assert run.metrics("epoch_marker").value.tolist() == [0.0, 1.0, 2.0]
@@ -129,3 +130,20 @@ def test_fingerprints_change_only_with_the_edited_hook():
         k: v for k, v in edited.items() if k != "training_step"
     }
     assert "log" not in base and "fit" not in base  # framework methods are not the user's
+
+
+def test_one_callback_instance_records_two_fits_as_two_full_runs(tmp_path):
+    callback = HindsightCallback(dirpath=tmp_path)
+    for _ in range(2):
+        trainer = L.Trainer(
+            max_epochs=2,
+            callbacks=[callback],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(DigitsClassifier(width=8), DigitsDataModule(batch_size=500))
+    runs = stalwart.hindsight.open(tmp_path).runs()
+    assert [len(run.decisions()) for run in runs] == [2, 2]
+    assert [sorted(set(run.metrics("train_loss").epoch)) for run in runs] == [[0, 1], [0, 1]]
