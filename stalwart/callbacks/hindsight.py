@@ -66,10 +66,11 @@ class HindsightCallback(Callback):
         materializer: str | Materializer = "fork",
         restore_ratio: float = DEFAULT_RESTORE_RATIO,
     ) -> None:
+        # Every argument is checked before anything is created on disk.
         self.policy = JointInvariantPolicy(epsilon=epsilon, restore_ratio=restore_ratio)
-        self.dirpath = prepare_directory(dirpath)
+        make_materializer(materializer)
         self._materializer_spec = materializer
-        make_materializer(materializer)  # reject an unknown kind now, not at fit time
+        self.dirpath = prepare_directory(dirpath)
         self._store: HindsightStore | None = None
         self._materializer: Materializer | None = None
         self._patched: LightningModule | None = None

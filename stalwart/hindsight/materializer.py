@@ -263,9 +263,11 @@ class ForkMaterializer(Materializer):
         if pid == 0:  # the child: write, then leave without running any of the parent's exit code
             code = 1
             try:
-                # Ctrl-C in the terminal reaches the whole process group: finish the write anyway.
+                # Ctrl-C, or a scheduler's SIGTERM to the whole process group, must not tear the
+                # checkpoint in flight: the write finishes (SIGKILL still ends it; the temp name
+                # keeps that harmless).
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 os.nice(10)  # yield the cores to training when they are contended
                 torch.set_num_threads(1)
                 _run_jobs(jobs)

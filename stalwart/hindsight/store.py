@@ -20,12 +20,13 @@ from typing import Any
 import pandas as pd
 
 from stalwart.errors import RunDirectoryError, RunNotFoundError
-from stalwart.hindsight.checkpoint_file import WrittenFile, read_checkpoint
+from stalwart.hindsight.checkpoint_file import TEMP_MARKER, WrittenFile, read_checkpoint
 
 DB_NAME = "hindsight.db"
 #: SQLite's application_id header field: marks a database as ours ("STWL").
 APPLICATION_ID = 0x5354574C
 SCHEMA_VERSION = 1
+_SQLITE_MAGIC = b"SQLite format 3\x00"
 BUSY_TIMEOUT_MS = 30_000
 
 _SCHEMA = """
@@ -85,17 +86,18 @@ def _connect(db: Path) -> sqlite3.Connection:
 
 
 def _check_ours(db: Path) -> None:
-    try:
-        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-        try:
-            app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-        finally:
-            conn.close()
-    except sqlite3.DatabaseError as exc:
+    """Read the SQLite header with plain file I/O: opening a foreign database, even read-only,
+    could leave -wal/-shm files beside it. An empty file is ours, caught before its first write."""
+    with open(db, "rb") as f:
+        header = f.read(100)
+    if not header:
+        return
+    if len(header) < 100 or header[:16] != _SQLITE_MAGIC:
         raise RunDirectoryError(
-            f"{db} exists but is not a stalwart hindsight database ({exc}); "
+            f"{db} exists but is not a stalwart hindsight database (not SQLite); "
             "point dirpath at a new or empty directory."
-        ) from None
+        )
+    app_id = int.from_bytes(header[68:72], "big")
     if app_id != APPLICATION_ID:
         raise RunDirectoryError(
             f"{db} is a SQLite database of another application; stalwart will not touch it. "
@@ -128,6 +130,30 @@ def prepare_directory(dirpath: str | os.PathLike) -> Path:
             "write to."
         ) from None
     return root
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_torn_files(root: Path) -> list[Path]:
+    """Delete temp files a killed writer left in ``root/run_*`` (never indexed, never whole).
+
+    Only ``.NAME.tmp-PID`` files whose writer PID is gone are removed; nothing else is touched.
+    """
+    removed = []
+    for temp in root.glob(f"run_*/.*{TEMP_MARKER}*"):
+        pid = temp.name.rsplit(TEMP_MARKER, 1)[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            temp.unlink(missing_ok=True)
+            removed.append(temp)
+    return removed
 
 
 @dataclass(frozen=True)
@@ -174,11 +200,14 @@ class HindsightStore:
         self.db_path = self.root / DB_NAME
         self._conn = _connect(self.db_path)
         if create:
-            self._conn.execute("PRAGMA journal_mode = WAL")
-            self._conn.execute("PRAGMA synchronous = NORMAL")
+            # The id first, while still in rollback-journal mode, so it lands in the main file
+            # at once: a crash right after creation must not leave a database we disown.
             self._conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
             self._conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            self._conn.execute("PRAGMA journal_mode = WAL")
+            self._conn.execute("PRAGMA synchronous = NORMAL")
             self._conn.executescript(_SCHEMA)
+            sweep_torn_files(self.root)
 
     def close(self) -> None:
         self._conn.close()

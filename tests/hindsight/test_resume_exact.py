@@ -1,4 +1,4 @@
-"""A hindsight checkpoint is complete: resuming from it reproduces the uninterrupted run bit for bit."""
+"""A hindsight checkpoint is complete: a resume from it reproduces the uninterrupted run exactly."""
 
 from __future__ import annotations
 
