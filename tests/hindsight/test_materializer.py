@@ -121,3 +121,48 @@ def test_unknown_materializer_is_rejected():
 
     with pytest.raises(ConfigurationError, match="fork"):
         make_materializer("thread")
+
+
+def test_checkpoints_written_by_the_callback_hold_the_state_at_their_epoch_boundary(tmp_path):
+    """End to end: the optimizer steps right after each fork never leak into the file."""
+    import lightning as L
+    from digits import DigitsClassifier, DigitsDataModule
+
+    import stalwart
+
+    class EveryEpoch(stalwart.HindsightCallback):
+        def should_checkpoint(self, trainer, policy_says: bool) -> bool:
+            return True
+
+    class Witness(L.Callback):
+        """Copies the weights at each epoch start, i.e. at the previous epoch's boundary."""
+
+        def __init__(self) -> None:
+            self.at_boundary: dict[int, dict] = {}
+
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            if trainer.current_epoch > 0:
+                state = {k: v.clone() for k, v in pl_module.state_dict().items()}
+                self.at_boundary[trainer.current_epoch - 1] = state
+
+    witness = Witness()
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        max_epochs=4,
+        callbacks=[EveryEpoch(dirpath=tmp_path), witness],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = DigitsClassifier(width=512, depth=2)  # ~2 MB of state: the fork (COW) path
+    trainer.fit(model, DigitsDataModule(batch_size=256))
+    run = stalwart.hindsight.open(tmp_path).run()
+    assert [c.epoch for c in run.checkpoints()] == [0, 1, 2, 3]
+    for epoch, expected in witness.at_boundary.items():
+        written = run.checkpoint(epoch).load()["state_dict"]
+        for name, tensor in expected.items():
+            assert torch.equal(written[name], tensor), (epoch, name)
+    assert not torch.equal(
+        run.checkpoint(0).load()["state_dict"]["net.0.weight"], model.net[0].weight.detach()
+    )
