@@ -15,6 +15,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from stalwart.callbacks.log_capture import LogCapture
+from stalwart.callbacks.loop_state import INNER_LOOP_END_KEY, capture_inner_loop_end
 from stalwart.hindsight.fingerprint import hook_fingerprints
 from stalwart.hindsight.interference import InterferenceMeter
 from stalwart.hindsight.materializer import Materializer, WriteJob, make_materializer, tensor_bytes
@@ -25,7 +27,12 @@ from stalwart.hindsight.policy import (
     JointInvariantPolicy,
 )
 from stalwart.hindsight.rng import RNG_KEY, capture_rng, restore_rng
-from stalwart.hindsight.store import HindsightStore, checkpoint_recorder, prepare_directory
+from stalwart.hindsight.store import (
+    INITIAL_EPOCH,
+    HindsightStore,
+    checkpoint_recorder,
+    prepare_directory,
+)
 
 
 class HindsightCallback(Callback):
@@ -73,7 +80,7 @@ class HindsightCallback(Callback):
         self.dirpath = prepare_directory(dirpath)
         self._store: HindsightStore | None = None
         self._materializer: Materializer | None = None
-        self._patched: LightningModule | None = None
+        self._capture: LogCapture | None = None
         self._start_fresh()
 
     def _start_fresh(self) -> None:
@@ -88,7 +95,8 @@ class HindsightCallback(Callback):
         self._batch: tuple[float, bool, bool] = (0.0, False, False)
         self._warmup = True
         self._clock = 0.0
-        self._pending: list[tuple] = []
+        self._inner_loop_end: dict | None = None
+        self._rng_at_start: dict | None = None
 
     @property
     def store(self) -> HindsightStore:
@@ -120,10 +128,21 @@ class HindsightCallback(Callback):
                 "torch": torch.__version__,
             },
         )
-        self._patch_log(pl_module, trainer)
+        self._capture = LogCapture(self.store, self.run_id, "record")
+        self._capture.attach(pl_module, trainer)
         self._hook_epoch_boundary(trainer)
 
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Before the fit loop builds epoch 0's data iterator, which draws from the RNG.
+        self._rng_at_start = capture_rng()
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.run_id is not None and trainer.ckpt_path is None:
+            # The state training starts from, so a replay from epoch 0 needs no user seeding.
+            cost = self._write_checkpoint(
+                trainer, INITIAL_EPOCH, "init.ckpt", rng=self._rng_at_start
+            )
+            self.policy.charge(cost)
         self._clock = time.perf_counter()
         self._warmup = True
 
@@ -141,17 +160,19 @@ class HindsightCallback(Callback):
             time.perf_counter() - started, first=first, shadowed=shadowed, warmup=self._warmup
         )
         self._warmup = False  # the fit's first batch allocates optimizer state: no baseline
-        self._flush()
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self._inner_loop_end = capture_inner_loop_end(trainer)
+        self._flush_logs()
         self._materializer.poll()
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._flush()
+        self._flush_logs()
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         epoch = trainer.current_epoch
         if self.run_id is None or epoch <= self._decided_through:
             return
-        self._flush()
+        self._flush_logs()
         interference = self._interference.take()
         self.policy.charge(interference)
         compute_time = time.perf_counter() - self._clock - interference
@@ -186,9 +207,9 @@ class HindsightCallback(Callback):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         vars(trainer.fit_loop).pop("on_advance_end", None)
-        if self._patched is not None:
-            vars(self._patched).pop("log", None)
-            self._patched = None
+        if self._capture is not None:
+            self._capture.detach()
+            self._capture = None
         if self._store is not None:
             self._store.close()
             self._store = None
@@ -272,67 +293,41 @@ class HindsightCallback(Callback):
         if due is None:
             return
         decision, interference = due
-        start = time.perf_counter()
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        checkpoint[RNG_KEY] = capture_rng()
-        path = self.store.run_dir(self.run_id) / f"epoch={decision.epoch:04d}.ckpt"
-        record = checkpoint_recorder(
-            self.store.db_path, self.run_id, decision.epoch, trainer.global_step
+        measured = self._write_checkpoint(
+            trainer, decision.epoch, f"epoch={decision.epoch:04d}.ckpt", self._inner_loop_end
         )
-        self._materializer.submit(WriteJob(checkpoint, path, record))
-        measured = time.perf_counter() - start
         self.policy.revise_last_cost(decision.materialize_cost, measured)
         self.store.add_decision(self.run_id, decision.as_dict(), measured, interference)
         # The epoch clock restarts after the checkpoint: C must not include M.
         self._clock += measured
 
-    def _patch_log(self, pl_module: LightningModule, trainer: Trainer) -> None:
-        # An instance attribute shadows LightningModule.log (log_dict goes through it too);
-        # teardown removes it again, leaving the user's module as it was.
-        original = pl_module.log
-        pending = self._pending
-        run_id = self.run_id
+    def _write_checkpoint(
+        self,
+        trainer: Trainer,
+        epoch: int,
+        name: str,
+        inner_loop_end: dict | None = None,
+        rng: dict | None = None,
+    ) -> float:
+        """Snapshot the complete training state and hand it to the materializer; main-thread s."""
+        start = time.perf_counter()
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint[RNG_KEY] = rng if rng is not None else capture_rng()
+        if inner_loop_end is not None:
+            checkpoint[INNER_LOOP_END_KEY] = inner_loop_end
+        path = self.store.run_dir(self.run_id) / name
+        record = checkpoint_recorder(self.store.db_path, self.run_id, epoch, trainer.global_step)
+        self._materializer.submit(WriteJob(checkpoint, path, record))
+        return time.perf_counter() - start
 
-        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-            if isinstance(value, torch.Tensor):
-                recorded: Any = value.detach()
-            elif isinstance(value, (int, float)):
-                recorded = float(value)
-            else:  # e.g. a torchmetrics Metric: its value exists only once Lightning computes it
-                recorded = None
-            # Sanity-check values are discarded by Lightning too: they are not part of the run.
-            if recorded is not None and not trainer.sanity_checking:
-                pending.append(
-                    (
-                        run_id,
-                        trainer.current_epoch,
-                        trainer.global_step,
-                        name,
-                        recorded,
-                        pl_module._current_fx_name,
-                        "record",
-                        None,
-                    )
-                )
-            return original(name, value, *args, **kwargs)
-
-        pl_module.log = log
-        self._patched = pl_module
-
-    def _flush(self) -> None:
-        if not self._pending or self._store is None:
-            return
-        rows = [
-            (*row[:4], row[4].item() if isinstance(row[4], torch.Tensor) else row[4], *row[5:])
-            for row in self._pending
-        ]
-        self._pending.clear()
-        self._store.add_metrics(rows)
+    def _flush_logs(self) -> None:
+        if self._capture is not None:
+            self._capture.flush()
 
     def _finish(self, status: str) -> None:
         if self.run_id is None or self._materializer is None:
             return
-        self._flush()
+        self._flush_logs()
         self._materializer.close()
         for failure in self._materializer.failures:
             warnings.warn(f"HindsightCallback: {failure}", stacklevel=2)

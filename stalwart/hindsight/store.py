@@ -26,6 +26,8 @@ DB_NAME = "hindsight.db"
 #: SQLite's application_id header field: marks a database as ours ("STWL").
 APPLICATION_ID = 0x5354574C
 SCHEMA_VERSION = 1
+#: The checkpoint index's epoch for the state before the first epoch (``init.ckpt``).
+INITIAL_EPOCH = -1
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 BUSY_TIMEOUT_MS = 30_000
 
@@ -397,12 +399,16 @@ class Run:
             (self.run_id,),
         )
 
-    def checkpoints(self) -> list[CheckpointEntry]:
-        """The complete checkpoints of this run, by epoch."""
+    def checkpoints(self, include_initial: bool = False) -> list[CheckpointEntry]:
+        """The complete checkpoints of this run, by epoch (each one's state after that epoch).
+
+        Args:
+            include_initial: also list the state before the first epoch (epoch -1).
+        """
         rows = self.store._conn.execute(
             "SELECT epoch, step, path, nbytes, crc32 FROM checkpoints WHERE run_id = ?"
-            " ORDER BY epoch",
-            (self.run_id,),
+            " AND epoch >= ? ORDER BY epoch",
+            (self.run_id, INITIAL_EPOCH if include_initial else 0),
         ).fetchall()
         return [
             CheckpointEntry(self.run_id, epoch, step, self.store.root / path, nbytes, crc32)
@@ -410,7 +416,7 @@ class Run:
         ]
 
     def checkpoint(self, epoch: int) -> CheckpointEntry:
-        for entry in self.checkpoints():
+        for entry in self.checkpoints(include_initial=True):
             if entry.epoch == epoch:
                 return entry
         have = [entry.epoch for entry in self.checkpoints()]

@@ -65,7 +65,7 @@ def test_recording_does_not_perturb_training(recorded):
     assert_same_state(model, plain, trainer, plain_trainer)
 
 
-@pytest.mark.parametrize("epoch", [0, 2, 4])
+@pytest.mark.parametrize("epoch", [-1, 0, 2, 4])
 def test_resume_from_checkpoint_is_bit_exact(recorded, tmp_path, epoch):
     root, model, trainer = recorded
     run = stalwart.hindsight.open(root).run()

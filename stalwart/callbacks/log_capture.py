@@ -1,0 +1,78 @@
+"""Capture every ``self.log`` call of a LightningModule into the hindsight store."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+
+from stalwart.hindsight.store import HindsightStore
+
+
+class LogCapture:
+    """Shadows ``pl_module.log`` (``log_dict`` goes through it too) for the duration of a fit.
+
+    Values are kept as passed (tensors detached, converted at flush) and written in one commit per
+    :meth:`flush`. Sanity-check values are skipped: Lightning discards them too.
+
+    Args:
+        store: where rows go.
+        run_id: the run the rows belong to.
+        source: ``"record"`` or ``"replay"``.
+        replay_id: tags replayed rows.
+        keep: which epochs' values to keep (replay keeps only the requested ones).
+    """
+
+    def __init__(
+        self,
+        store: HindsightStore,
+        run_id: int,
+        source: str,
+        replay_id: str | None = None,
+        keep: Callable[[int], bool] = lambda epoch: True,
+    ) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.source = source
+        self.replay_id = replay_id
+        self.keep = keep
+        self._pending: list[tuple] = []
+        self._module: LightningModule | None = None
+
+    def attach(self, pl_module: LightningModule, trainer: Trainer) -> None:
+        original = pl_module.log
+
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if isinstance(value, torch.Tensor):
+                captured: Any = value.detach()
+            elif isinstance(value, (int, float)):
+                captured = float(value)
+            else:  # e.g. a torchmetrics Metric: its value exists only once Lightning computes it
+                captured = None
+            epoch = trainer.current_epoch
+            if captured is not None and not trainer.sanity_checking and self.keep(epoch):
+                self._pending.append(
+                    (self.run_id, epoch, trainer.global_step, name, captured,
+                     pl_module._current_fx_name, self.source, self.replay_id)
+                )  # fmt: skip
+            return original(name, value, *args, **kwargs)
+
+        pl_module.log = log
+        self._module = pl_module
+
+    def detach(self) -> None:
+        if self._module is not None:
+            vars(self._module).pop("log", None)
+            self._module = None
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        rows = [
+            (*row[:4], row[4].item() if isinstance(row[4], torch.Tensor) else row[4], *row[5:])
+            for row in self._pending
+        ]
+        self._pending.clear()
+        self.store.add_metrics(rows)

@@ -1,0 +1,64 @@
+"""The state of a Lightning fit at the end of an epoch's training batches (the inner loop).
+
+A hindsight checkpoint is taken at the epoch boundary, after validation, the epoch-end hooks and
+the epoch-interval LR step. An outer-loop replay needs the state just *before* those: the same
+weights and optimizer tensors, but the LR schedule and hyperparameters not yet stepped and the
+RNG as the last training batch left it. That small remainder is captured here at record time.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from lightning.pytorch import Trainer
+
+from stalwart.hindsight.rng import capture_rng, restore_rng
+
+INNER_LOOP_END_KEY = "stalwart_inner_loop_end"
+
+
+def capture_inner_loop_end(trainer: Trainer) -> dict:
+    """RNG, LR scheduler states and optimizer hyperparameters after the last training batch."""
+    return {
+        "rng": capture_rng(),
+        "lr_schedulers": [
+            copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs
+        ],
+        "param_groups": [
+            [
+                {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+                for group in opt.param_groups
+            ]
+            for opt in trainer.optimizers
+        ],
+    }
+
+
+def restore_inner_loop_end(trainer: Trainer, checkpoint: dict) -> None:
+    """Put a fit in the state its recorded epoch had after its last training batch.
+
+    Weights, optimizer tensors and loop counters come from the epoch's checkpoint; schedulers,
+    hyperparameters and RNG from the inner-loop-end capture stored beside them.
+    """
+    module = trainer.lightning_module
+    module.load_state_dict(checkpoint["state_dict"])
+    for optimizer, state in zip(trainer.optimizers, checkpoint["optimizer_states"], strict=True):
+        optimizer.load_state_dict(state)
+    inner = checkpoint[INNER_LOOP_END_KEY]
+    for config, state in zip(trainer.lr_scheduler_configs, inner["lr_schedulers"], strict=True):
+        config.scheduler.load_state_dict(state)
+    for optimizer, groups in zip(trainer.optimizers, inner["param_groups"], strict=True):
+        for group, saved in zip(optimizer.param_groups, groups, strict=True):
+            group.update(saved)
+    loop_state = checkpoint["loops"]["fit_loop"]
+    epoch_loop = trainer.fit_loop.epoch_loop
+    epoch_loop.batch_progress.load_state_dict(loop_state["epoch_loop.batch_progress"])
+    epoch_loop.automatic_optimization.optim_progress.load_state_dict(
+        loop_state["epoch_loop.automatic_optimization.optim_progress"]
+    )
+    epoch_loop.manual_optimization.optim_step_progress.load_state_dict(
+        loop_state["epoch_loop.manual_optimization.optim_step_progress"]
+    )
+    epoch_loop.scheduler_progress.load_state_dict(loop_state["epoch_loop.scheduler_progress"])
+    epoch_loop._batches_that_stepped = loop_state["epoch_loop.state_dict"]["_batches_that_stepped"]
+    restore_rng(inner["rng"])
