@@ -39,10 +39,13 @@ class InterferenceMeter:
     def observe(
         self, duration: float, *, first: bool, shadowed: bool, warmup: bool = False
     ) -> None:
-        """One training batch's duration; ``warmup`` batches (lazy allocation) never baseline."""
+        """One training batch's duration. ``warmup`` batches (lazy allocation, first iterator) are
+        ignored: they are neither a fair baseline nor a fair measure of interference."""
+        if warmup:
+            return
         if shadowed:
             self._shadowed.append((duration, first))
-        elif not warmup:
+        else:
             self._clean[first].append(duration)
 
     def baseline(self, first: bool) -> float | None:

@@ -30,6 +30,7 @@ def test_first_batches_have_their_own_baseline_once_seen():
 def test_warmup_batches_never_form_the_baseline_and_faster_batches_never_refund():
     meter = InterferenceMeter()
     meter.observe(5.0, first=True, shadowed=False, warmup=True)
+    meter.observe(9.0, first=True, shadowed=True, warmup=True)
     meter.observe(0.030, first=False, shadowed=True)
     assert meter.take() == 0.0  # nothing to compare with yet; kept for later
     meter.observe(0.010, first=False, shadowed=False)
