@@ -2,22 +2,30 @@
 
 from stalwart import hindsight
 from stalwart.callbacks import HindsightCallback
+from stalwart.callbacks.replay import FunctionProbe
 from stalwart.errors import (
     ConfigurationError,
     CorruptCheckpointError,
+    ReplayError,
     RunDirectoryError,
     RunNotFoundError,
     StalwartError,
 )
+from stalwart.trainer import Mismatch, ReplayResult, Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConfigurationError",
     "CorruptCheckpointError",
+    "FunctionProbe",
     "HindsightCallback",
+    "Mismatch",
+    "ReplayResult",
+    "ReplayError",
     "RunDirectoryError",
     "RunNotFoundError",
     "StalwartError",
+    "Trainer",
     "hindsight",
 ]

@@ -21,3 +21,7 @@ class CorruptCheckpointError(StalwartError):
 
 class RunNotFoundError(StalwartError, LookupError):
     """No recorded run (or metric) matches what was asked for."""
+
+
+class ReplayError(StalwartError):
+    """A replay cannot run as asked: the record does not match the model, or lacks what it needs."""

@@ -67,6 +67,17 @@ CREATE TABLE IF NOT EXISTS decisions (
     interference REAL NOT NULL DEFAULT 0,
     PRIMARY KEY (run_id, epoch)
 );
+CREATE TABLE IF NOT EXISTS replay_work (
+    replay_id TEXT NOT NULL,
+    run_id INTEGER NOT NULL,
+    segment INTEGER NOT NULL,
+    resume_from INTEGER NOT NULL,
+    last_epoch INTEGER NOT NULL,
+    batches INTEGER NOT NULL,
+    batch_epochs TEXT NOT NULL,
+    seconds REAL NOT NULL,
+    PRIMARY KEY (replay_id, segment)
+);
 CREATE TABLE IF NOT EXISTS checkpoints (
     run_id INTEGER NOT NULL,
     epoch INTEGER NOT NULL,
@@ -286,6 +297,17 @@ class HindsightStore:
                 interference,
             ),
         )
+
+    def add_replay_work(
+        self, replay_id: str, run_id: int, segment: int, resume_from: int, last_epoch: int,
+        batch_epochs: list[int], seconds: float,
+    ) -> None:  # fmt: skip
+        """What one replay segment executed: its training batches, by epoch."""
+        self._conn.execute(
+            "INSERT OR REPLACE INTO replay_work VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (replay_id, run_id, segment, resume_from, last_epoch, len(batch_epochs),
+             json.dumps(batch_epochs), seconds),
+        )  # fmt: skip
 
     # -- reading ---------------------------------------------------------------------------
 

@@ -1,0 +1,200 @@
+"""Replay inside a Lightning fit: memoized epochs skip their batches, probes log as usual."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+
+from stalwart.callbacks.log_capture import LogCapture
+from stalwart.callbacks.loop_state import restore_inner_loop_end
+from stalwart.errors import ConfigurationError
+from stalwart.hindsight.plan import INNER, OUTER, Segment
+from stalwart.hindsight.rng import RNG_KEY, restore_rng
+from stalwart.hindsight.store import CheckpointEntry, HindsightStore
+
+#: Hooks that run per training batch: a probe or an edit touching one needs the batches re-run.
+BATCH_LEVEL_HOOKS = frozenset(
+    {
+        "on_train_batch_start",
+        "on_train_batch_end",
+        "on_before_backward",
+        "on_after_backward",
+        "on_before_optimizer_step",
+        "on_before_zero_grad",
+        "training_step",
+        "backward",
+        "optimizer_step",
+        "optimizer_zero_grad",
+        "configure_gradient_clipping",
+        "lr_scheduler_step",
+        "train_dataloader",
+        "transfer_batch_to_device",
+        "on_before_batch_transfer",
+        "on_after_batch_transfer",
+    }
+)
+#: Module methods whose edits only change epoch-level work (validation, epoch hooks).
+EPOCH_LEVEL_HOOKS = frozenset(
+    {
+        "validation_step",
+        "on_validation_start",
+        "on_validation_end",
+        "on_validation_epoch_start",
+        "on_validation_epoch_end",
+        "on_validation_batch_start",
+        "on_validation_batch_end",
+        "on_train_epoch_start",
+        "on_train_epoch_end",
+        "val_dataloader",
+        "on_validation_model_eval",
+        "on_validation_model_train",
+    }
+)
+
+
+class FunctionProbe(Callback):
+    """A plain function run on one Lightning hook, as a probe.
+
+    Args:
+        hook: the callback hook name, e.g. ``"on_train_epoch_end"``.
+        fn: called with the hook's arguments ``(trainer, pl_module, *args)``.
+
+    Example::
+
+        def lr(trainer, pl_module):
+            pl_module.log("lr", trainer.optimizers[0].param_groups[0]["lr"])
+
+        trainer.replay(model, datamodule, probe=FunctionProbe("on_train_epoch_end", lr))
+    """
+
+    def __init__(self, hook: str, fn: Callable[..., Any]) -> None:
+        if not hook.startswith("on_") or not callable(getattr(Callback, hook, None)):
+            raise ConfigurationError(
+                f"{hook!r} is not a Lightning callback hook; use one such as "
+                "'on_train_epoch_end' or 'on_train_batch_end'."
+            )
+        self.hook = hook
+        self.fn = fn
+        setattr(self, hook, fn)
+
+    @property
+    def state_key(self) -> str:
+        return f"FunctionProbe[{self.hook}:{getattr(self.fn, '__qualname__', self.fn)}]"
+
+
+def probe_hooks(probe: Callback) -> set[str]:
+    """The hooks a probe callback implements."""
+    if isinstance(probe, FunctionProbe):
+        return {probe.hook}
+    return {
+        name
+        for name in dir(Callback)
+        if name.startswith("on_")
+        and getattr(type(probe), name, None) is not getattr(Callback, name)
+    }
+
+
+def probe_level(probes: list[Callback], edited_hooks: set[str]) -> str:
+    """Inner if any probe hook or edited module method runs per training batch."""
+    touched = set().union(*(probe_hooks(p) for p in probes)) if probes else set()
+    if touched & BATCH_LEVEL_HOOKS:
+        return INNER
+    # An edited helper we cannot place (forward, a custom method) may run in training_step.
+    if edited_hooks - EPOCH_LEVEL_HOOKS:
+        return INNER
+    return OUTER
+
+
+class ReplayDriver(Callback):
+    """Runs one replay segment inside a fit: skips memoized epochs, stores the probes' values.
+
+    A memoized epoch's training batches do not run: the state they produced is restored from the
+    epoch's checkpoint (weights, optimizer, loop counters; schedulers and RNG as the last batch
+    left them) and the epoch-level work runs as recorded: validation, then the epoch-end hooks and
+    the LR step.
+    """
+
+    def __init__(
+        self,
+        segment: Segment,
+        checkpoints: dict[int, CheckpointEntry],
+        store_dir: str,
+        run_id: int,
+        replay_id: str,
+        index: int,
+    ) -> None:
+        self.segment = segment
+        self.checkpoints = checkpoints
+        self.store_dir = store_dir
+        self.run_id = run_id
+        self.replay_id = replay_id
+        self.index = index
+        self.batch_epochs: list[int] = []
+        self._store: HindsightStore | None = None
+        self._capture: LogCapture | None = None
+        self._started = 0.0
+
+    @property
+    def state_key(self) -> str:
+        return "stalwart.ReplayDriver"
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._started = time.perf_counter()
+        self._store = HindsightStore(self.store_dir, create=True)
+        requested = self.segment.requested
+        self._capture = LogCapture(
+            self._store, self.run_id, "replay", self.replay_id, keep=requested.__contains__
+        )
+        self._capture.attach(pl_module, trainer)
+        self._skip_memoized(trainer)
+
+    def on_load_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        restore_rng(checkpoint[RNG_KEY])
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        self.batch_epochs.append(trainer.current_epoch)
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        self._capture.flush()
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._capture.flush()
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._capture.flush()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        vars(trainer.fit_loop.epoch_loop).pop("run", None)
+        if self._capture is not None:
+            self._capture.flush()
+            self._capture.detach()
+        if self._store is not None:
+            self._store.add_replay_work(
+                self.replay_id, self.run_id, self.index, self.segment.resume_from,
+                self.segment.last_epoch, self.batch_epochs, time.perf_counter() - self._started,
+            )  # fmt: skip
+            self._store.close()
+
+    def _skip_memoized(self, trainer: Trainer) -> None:
+        epoch_loop = trainer.fit_loop.epoch_loop
+        run_batches = epoch_loop.run
+
+        def run(data_fetcher: Any) -> None:
+            epoch = trainer.current_epoch
+            if epoch not in self.segment.memoized:
+                return run_batches(data_fetcher)
+            restore_inner_loop_end(trainer, self.checkpoints[epoch].load())
+            if epoch_loop._should_check_val_epoch() and trainer.limit_val_batches != 0:
+                # As the epoch loop runs it after its last batch.
+                trainer.validating = True
+                epoch_loop.val_loop.run()
+                trainer.training = True
+            return None
+
+        epoch_loop.run = run
