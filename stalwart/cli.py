@@ -1,26 +1,43 @@
-"""The ``stalwart`` console script."""
+"""The ``stalwart`` console script.
+
+``stalwart fit|validate --config run.yaml`` are LightningCLI with :class:`stalwart.Trainer`;
+``stalwart replay --config run.yaml --probe pkg.module:Probe`` replays that run with a new probe;
+``stalwart runs [DIR]`` and ``stalwart metrics DIR NAME`` read a record.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
+from typing import Any
 
-from stalwart.errors import StalwartError
+from stalwart.errors import ConfigurationError, StalwartError
+
+LIGHTNING_COMMANDS = ("fit", "validate")
 
 
 def _runs(args: argparse.Namespace) -> None:
     from stalwart.hindsight import open as open_store
+    from stalwart.hindsight.figure import plot_metric
 
     store = open_store(args.dirpath)
+    if args.plot:
+        run = store.run(args.run)
+        out = args.out or f"{run.name}-{args.plot}.png"
+        print(f"wrote {plot_metric(run, args.plot, out)}")
+        return
     for run in store.runs():
         decisions = run.decisions()
         checkpoints = run.checkpoints()
         compute = decisions.compute_time.sum()
-        spent = decisions.measured_cost.fillna(0).sum()
+        spent = decisions.measured_cost.fillna(0).sum() + decisions.interference.sum()
         overhead = f"{spent / compute:.2%}" if compute > 0 else "-"
+        epochs = [c.epoch for c in checkpoints]
         print(
             f"{run.name}  {run.status:<9}  epochs {len(decisions):>4}  "
-            f"checkpoints {len(checkpoints):>4}  overhead {overhead:>7}  "
+            f"checkpoints {len(checkpoints):>4} {epochs}  overhead {overhead:>7}  "
             f"metrics: {', '.join(run.metric_names())}"
         )
 
@@ -32,26 +49,129 @@ def _metrics(args: argparse.Namespace) -> None:
     print(run.metrics(args.name).to_string(index=False))
 
 
+def parse_epochs(text: str | None) -> list[int] | None:
+    """``"3:7"`` (inclusive), ``"2,5,9"`` or ``None`` (all)."""
+    if text is None:
+        return None
+    try:
+        if ":" in text:
+            first, last = (int(part) for part in text.split(":"))
+            return list(range(first, last + 1))
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ConfigurationError(
+            f"--epochs {text!r}: write a range 3:7 (inclusive) or a list 2,5,9."
+        ) from None
+
+
+def load_object(spec: str) -> Any:
+    """``pkg.module:Name`` -> the object (a class is instantiated without arguments)."""
+    from lightning.pytorch.callbacks import Callback
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigurationError(f"--probe {spec!r}: write it as package.module:ProbeClass.")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(f"--probe {spec!r} cannot be imported: {exc}") from None
+    if isinstance(obj, type) and issubclass(obj, Callback):
+        return obj()
+    return obj
+
+
+def _replay(args: argparse.Namespace, rest: list[str]) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    from stalwart.callbacks.replay import FunctionProbe
+    from stalwart.trainer import Trainer
+
+    probe = load_object(args.probe) if args.probe else None
+    if probe is not None and not hasattr(probe, "state_key") and callable(probe):
+        if not args.hook:
+            raise ConfigurationError(
+                "a function probe needs --hook, e.g. --hook on_train_epoch_end"
+            )
+        probe = FunctionProbe(args.hook, probe)
+    cli = LightningCLI(
+        trainer_class=Trainer, args=rest, run=False, save_config_callback=None,
+        subclass_mode_model=True, subclass_mode_data=True,
+    )  # fmt: skip
+    result = cli.trainer.replay(
+        cli.model, cli.datamodule, probe=probe, run=args.run, epochs=parse_epochs(args.epochs),
+        workers=args.workers, init=args.init,
+    )  # fmt: skip
+    print(
+        f"replay {result.replay_id} of {result.run.name}: {result.level}-loop, "
+        f"{len(result.segments)} segment(s), {result.batches_executed} training batches, "
+        f"{result.seconds:.2f}s, {len(result.mismatches)} mismatch(es)"
+    )
+    logged = result.run.store.query(
+        "SELECT DISTINCT name FROM metrics WHERE replay_id = ? ORDER BY name", (result.replay_id,)
+    ).name.tolist()
+    for name in logged:
+        by_epoch = result.metrics(name).groupby("epoch").value.agg(["count", "mean", "last"])
+        print(f"\n{name} (per epoch):\n{by_epoch.to_string()}")
+    for mismatch in result.mismatches:
+        print(f"MISMATCH {mismatch.name} epoch {mismatch.epoch}: recorded "
+              f"{mismatch.recorded[:3]} replayed {mismatch.replayed[:3]}")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="stalwart", description="Cheap-to-debug, cheap-to-recover training."
+        prog="stalwart",
+        description="Cheap-to-debug, cheap-to-recover training. "
+        "`stalwart fit|validate --config run.yaml` run LightningCLI with stalwart.Trainer.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     runs = commands.add_parser("runs", help="list the runs recorded in a run directory")
     runs.add_argument("dirpath", nargs="?", default="runs")
+    runs.add_argument("--plot", metavar="METRIC", help="write a PNG of METRIC, record vs replays")
+    runs.add_argument("--run", default=None, help="run name for --plot (default: the latest)")
+    runs.add_argument("--out", default=None, help="PNG path for --plot")
     runs.set_defaults(func=_runs)
     metrics = commands.add_parser("metrics", help="print every value a run logged under a name")
     metrics.add_argument("dirpath")
     metrics.add_argument("name")
     metrics.add_argument("--run", default=None, help="run name (default: the latest)")
     metrics.set_defaults(func=_metrics)
+    replay = commands.add_parser(
+        "replay", help="replay a recorded run with a probe (other arguments go to LightningCLI)"
+    )
+    replay.add_argument("--probe", help="package.module:ProbeClass (a Lightning Callback)")
+    replay.add_argument("--hook", help="the hook, when --probe names a plain function")
+    replay.add_argument("--epochs", help="3:7 (inclusive) or 2,5,9; default: all")
+    replay.add_argument("--workers", type=int, default=1)
+    replay.add_argument("--run", default=None, help="run name (default: the latest)")
+    replay.add_argument("--init", choices=["weak", "strong"], default="weak")
+    replay.set_defaults(func=None)
+    for name in LIGHTNING_COMMANDS:
+        commands.add_parser(name, help=f"LightningCLI {name} with stalwart.Trainer", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # Like `python -m`, find the user's modules (class_path in YAML, --probe) in the cwd.
+    sys.path.insert(0, os.getcwd())
     try:
-        args.func(args)
+        if argv and argv[0] in LIGHTNING_COMMANDS:
+            from lightning.pytorch.cli import LightningCLI
+
+            from stalwart.trainer import Trainer
+
+            LightningCLI(
+                trainer_class=Trainer, args=argv, save_config_callback=None,
+                subclass_mode_model=True, subclass_mode_data=True,
+            )  # fmt: skip
+            return 0
+        args, rest = build_parser().parse_known_args(argv)
+        if args.command == "replay":
+            _replay(args, rest)
+        elif rest:
+            build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
+        else:
+            args.func(args)
     except StalwartError as exc:
         print(f"stalwart: error: {exc}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import lightning as L
+import pytest
 from digits import DigitsClassifier, DigitsDataModule
 
 from stalwart import HindsightCallback
@@ -42,3 +43,42 @@ def test_errors_are_one_clear_line_and_exit_2(tmp_path):
     assert missing.returncode == 2
     assert missing.stderr.startswith("stalwart: error: no hindsight record")
     assert "Traceback" not in missing.stderr
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
+
+
+def cli_in(cwd, *args: str) -> subprocess.CompletedProcess:
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    exe = shutil.which("stalwart")
+    command = [exe] if exe else [sys.executable, "-m", "stalwart.cli"]
+    return subprocess.run(
+        [*command, *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env
+    )
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_example_config_fits_and_replays_from_yaml(tmp_path, config):
+    fit = cli_in(tmp_path, "fit", "--config", str(config), "--trainer.max_epochs=2")
+    assert fit.returncode == 0, fit.stderr[-2000:]
+    replayed = cli_in(
+        tmp_path, "replay", "--config", str(config), "--trainer.max_epochs=2",
+        "--probe", "examples.probes:GradNormProbe", "--epochs", "1:1",
+    )  # fmt: skip
+    assert replayed.returncode == 0, replayed.stderr[-2000:]
+    assert "inner-loop" in replayed.stdout and "0 mismatch(es)" in replayed.stdout
+    assert "grad_norm (per epoch)" in replayed.stdout
+    dirpath = next(tmp_path.glob("runs/*"))
+    plot = cli_in(tmp_path, "runs", str(dirpath), "--plot", "grad_norm", "--out", "g.png")
+    assert plot.returncode == 0, plot.stderr
+    assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_replay_cli_rejects_a_bad_probe_spec(tmp_path):
+    config = CONFIGS[0]
+    out = cli_in(tmp_path, "replay", "--config", str(config), "--probe", "no_such_module:Probe")
+    assert out.returncode == 2
+    assert "cannot be imported" in out.stderr
