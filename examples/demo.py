@@ -18,29 +18,60 @@ from pathlib import Path
 import lightning as L
 import torch
 from digits import DigitsClassifier, DigitsDataModule
+from probes import GradNormProbe, WeightNormProbe
 
 import stalwart
 
 HERE = Path(__file__).resolve().parent
 
 
-def fit(model_kwargs: dict, data_kwargs: dict, epochs: int, callbacks: list) -> float:
-    L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
+def make_trainer(epochs: int, callbacks: list) -> stalwart.Trainer:
+    return stalwart.Trainer(
         max_epochs=epochs,
         callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,
         enable_progress_bar=bool(callbacks),
+        deterministic=True,
     )
+
+
+def fit(model_kwargs: dict, data_kwargs: dict, epochs: int, callbacks: list) -> float:
+    L.seed_everything(0, verbose=False)
+    trainer = make_trainer(epochs, callbacks)
     model, data = DigitsClassifier(**model_kwargs), DigitsDataModule(**data_kwargs)
     start = time.perf_counter()
     trainer.fit(model, data)
     return time.perf_counter() - start
 
 
-def workload(title: str, root: Path, model_kwargs: dict, data_kwargs: dict, epochs: int) -> None:
+def replay_probes(root: Path, model_kwargs: dict, data_kwargs: dict, epochs: int, train_s: float):
+    """Add two log statements after the fact and replay only what they need."""
+    trainer = make_trainer(epochs, [stalwart.HindsightCallback(dirpath=root)])
+    for title, probe, wanted, name in [
+        ("outer-loop probe (weight norm and LR at each epoch end)", WeightNormProbe(), None,
+         "weight_norm"),
+        ("inner-loop probe (gradient norm per batch), epochs 4-7, 2 workers", GradNormProbe(),
+         range(4, 8), "grad_norm"),
+    ]:  # fmt: skip
+        L.seed_everything(0, verbose=False)
+        model, data = DigitsClassifier(**model_kwargs), DigitsDataModule(**data_kwargs)
+        workers = 1 if wanted is None else 2
+        result = trainer.replay(model, data, probe=probe, epochs=wanted, workers=workers)
+        per_epoch = result.metrics(name).groupby("epoch").value.mean()
+        print(f"\nreplayed {title}:")
+        print(f"  {name} by epoch: {', '.join(f'{e}: {v:.3f}' for e, v in per_epoch.items())}")
+        print(
+            f"  {result.batches_executed} training batches executed, {result.seconds:.2f}s "
+            f"({result.seconds / train_s:.0%} of the {train_s:.2f}s training), "
+            f"deferred check: {len(result.mismatches)} mismatch(es)"
+        )
+
+
+def workload(
+    title: str, root: Path, model_kwargs: dict, data_kwargs: dict, epochs: int
+) -> float:
     print(f"\n=== {title} ===")
     plain = fit(model_kwargs, data_kwargs, epochs, [])
     recorded = fit(model_kwargs, data_kwargs, epochs, [stalwart.HindsightCallback(dirpath=root)])
@@ -70,6 +101,7 @@ def workload(title: str, root: Path, model_kwargs: dict, data_kwargs: dict, epoc
     )
     val = run.metrics("val_acc").groupby("epoch").value.mean()
     print(f"val_acc by epoch (from the store): {', '.join(f'{v:.3f}' for v in val)}")
+    return recorded
 
 
 def main() -> None:
@@ -79,13 +111,11 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.root.exists():
         shutil.rmtree(args.root)  # the demo's own output folder, recreated each time
-    workload(
-        "1. small state, every epoch affordable",
-        args.root / "small",
-        {"width": 256},
-        {"batch_size": 32},
-        epochs=12,
+    small = ({"width": 256}, {"batch_size": 32})
+    recorded = workload(
+        "1. small state, every epoch affordable", args.root / "small", *small, epochs=12
     )
+    replay_probes(args.root / "small", *small, epochs=12, train_s=recorded)
     workload(
         "2. large state, short epochs: the policy spaces checkpoints out",
         args.root / "large",
