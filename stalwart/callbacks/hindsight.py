@@ -19,7 +19,13 @@ from stalwart.callbacks.log_capture import LogCapture
 from stalwart.callbacks.loop_state import INNER_LOOP_END_KEY, capture_inner_loop_end
 from stalwart.hindsight.fingerprint import hook_fingerprints
 from stalwart.hindsight.interference import InterferenceMeter
-from stalwart.hindsight.materializer import Materializer, WriteJob, make_materializer, tensor_bytes
+from stalwart.hindsight.materializer import (
+    InlineMaterializer,
+    Materializer,
+    WriteJob,
+    make_materializer,
+    tensor_bytes,
+)
 from stalwart.hindsight.policy import (
     DEFAULT_EPSILON,
     DEFAULT_RESTORE_RATIO,
@@ -33,6 +39,9 @@ from stalwart.hindsight.store import (
     checkpoint_recorder,
     prepare_directory,
 )
+
+#: Logged values are committed to the store at least this often (and at every epoch end).
+LOG_FLUSH_SECONDS = 1.0
 
 
 class HindsightCallback(Callback):
@@ -92,8 +101,9 @@ class HindsightCallback(Callback):
         self._cost_estimate: float | None = None
         self._due: tuple[Decision, float] | None = None
         self._interference = InterferenceMeter()
-        self._batch: tuple[float, bool, bool] = (0.0, False, False)
+        self._shadowed = False
         self._warmup = True
+        self._last_flush = 0.0
         self._clock = 0.0
         self._inner_loop_end: dict | None = None
         self._rng_at_start: dict | None = None
@@ -139,31 +149,31 @@ class HindsightCallback(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.run_id is not None and trainer.ckpt_path is None:
             # The state training starts from, so a replay from epoch 0 needs no user seeding.
+            # Written inline, before training starts: a background writer here would slow the
+            # first epoch, which is also the only clean baseline the interference meter has yet.
             cost = self._write_checkpoint(
-                trainer, INITIAL_EPOCH, "init.ckpt", rng=self._rng_at_start
-            )
+                trainer, INITIAL_EPOCH, "init.ckpt", rng=self._rng_at_start,
+                materializer=InlineMaterializer(),
+            )  # fmt: skip
             self.policy.charge(cost)
         self._clock = time.perf_counter()
         self._warmup = True
 
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._materializer is not None:
-            self._batch = (time.perf_counter(), batch_idx == 0, self._materializer.busy)
+            self._shadowed = self._materializer.busy
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if self._materializer is None:
             return
-        started, first, shadowed = self._batch
-        self._interference.observe(
-            time.perf_counter() - started, first=first, shadowed=shadowed, warmup=self._warmup
-        )
-        self._warmup = False  # the fit's first batch allocates optimizer state: no baseline
         if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             self._inner_loop_end = capture_inner_loop_end(trainer)
-        self._flush_logs()
+        # A commit per batch costs ~0.1 ms inside training: commit about once a second instead
+        # (and at every epoch end); a crash loses at most that second of logged values.
+        if time.perf_counter() - self._last_flush >= LOG_FLUSH_SECONDS:
+            self._flush_logs()
         self._materializer.poll()
+        self._shadowed = self._shadowed or self._materializer.busy
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._flush_logs()
@@ -173,9 +183,14 @@ class HindsightCallback(Callback):
         if self.run_id is None or epoch <= self._decided_through:
             return
         self._flush_logs()
+        self._materializer.poll()
+        shadowed = self._shadowed or self._materializer.busy
+        epoch_seconds = time.perf_counter() - self._clock
+        self._interference.observe(epoch_seconds, shadowed=shadowed, warmup=self._warmup)
+        self._warmup = False
         interference = self._interference.take()
         self.policy.charge(interference)
-        compute_time = time.perf_counter() - self._clock - interference
+        compute_time = epoch_seconds - max(interference, 0.0)
         estimate = self._estimate_cost(trainer, pl_module)
         decision = self.policy.decide(
             compute_time=compute_time, materialize_cost=estimate, epoch=epoch
@@ -308,6 +323,7 @@ class HindsightCallback(Callback):
         name: str,
         inner_loop_end: dict | None = None,
         rng: dict | None = None,
+        materializer: Materializer | None = None,
     ) -> float:
         """Snapshot the complete training state and hand it to the materializer; main-thread s."""
         start = time.perf_counter()
@@ -317,10 +333,11 @@ class HindsightCallback(Callback):
             checkpoint[INNER_LOOP_END_KEY] = inner_loop_end
         path = self.store.run_dir(self.run_id) / name
         record = checkpoint_recorder(self.store.db_path, self.run_id, epoch, trainer.global_step)
-        self._materializer.submit(WriteJob(checkpoint, path, record))
+        (materializer or self._materializer).submit(WriteJob(checkpoint, path, record))
         return time.perf_counter() - start
 
     def _flush_logs(self) -> None:
+        self._last_flush = time.perf_counter()
         if self._capture is not None:
             self._capture.flush()
 

@@ -175,7 +175,8 @@ class ForkMaterializer(Materializer):
 
     def probe_cost(self, nbytes: int, directory: Path) -> float:
         """A small state costs a copy into the buffer; a large one a fork (which grows with the
-        process's mapped memory) plus the copy-on-write faults it causes. Measured here, now."""
+        process's mapped memory), the copy-on-write faults it causes and the child's competition
+        for the machine. Measured here, now."""
         if nbytes < self.small_bytes:
             state = torch.empty(max(nbytes, 1), dtype=torch.uint8)
             start = time.perf_counter()
@@ -202,7 +203,12 @@ class ForkMaterializer(Materializer):
         os.waitpid(pid, 0)
         os.close(read_end)
         os.close(write_end)
-        return fork_cost + max(shared_write - private_write, 0.0) * nbytes / probe_bytes
+        copy_on_write = max(shared_write - private_write, 0.0) * nbytes / probe_bytes
+        # The child's serialize + checksum + fsync competes with training for cores and memory
+        # bandwidth; measured side by side that costs training about 0.7x an inline write. Take
+        # the whole inline write: a first estimate should err towards fewer checkpoints.
+        contention = InlineMaterializer().probe_cost(nbytes, directory)
+        return fork_cost + copy_on_write + contention
 
     @property
     def busy(self) -> bool:

@@ -131,8 +131,9 @@ class JointInvariantPolicy:
         self.total_materialize += max(materialize_cost, 0.0)
 
     def charge(self, cost: float) -> None:
-        """Add checkpoint cost measured after the fact (background interference) to the budget."""
-        self.total_materialize += max(cost, 0.0)
+        """Add checkpoint cost measured after the fact (background interference) to the budget;
+        a negative cost refunds an earlier over-estimate."""
+        self.total_materialize = max(self.total_materialize + cost, 0.0)
 
     def revise_last_cost(self, estimated: float, measured: float) -> None:
         """Replace the estimate a checkpoint was accounted with by its measured cost."""

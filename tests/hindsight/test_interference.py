@@ -7,33 +7,30 @@ import pytest
 from stalwart.hindsight.interference import InterferenceMeter
 
 
-def test_excess_over_clean_median_is_charged_once():
+def test_shadowed_epochs_are_charged_their_excess_over_clean_ones():
     meter = InterferenceMeter()
-    for duration in (0.010, 0.011, 0.009, 0.010):
-        meter.observe(duration, first=False, shadowed=False)
-    meter.observe(0.050, first=False, shadowed=True)  # a copy-on-write storm
-    meter.observe(0.012, first=False, shadowed=True)
-    assert meter.take() == pytest.approx(0.040 + 0.002)
+    for seconds in (1.0, 1.1, 0.9, 1.0):
+        meter.observe(seconds, shadowed=False)
+    meter.observe(1.5, shadowed=True)
+    assert meter.take() == pytest.approx(0.5)
     assert meter.take() == 0.0
 
 
-def test_first_batches_have_their_own_baseline_once_seen():
+def test_noise_refunds_but_the_total_never_goes_negative():
     meter = InterferenceMeter()
-    meter.observe(0.010, first=False, shadowed=False)
-    meter.observe(0.030, first=True, shadowed=True)
-    assert meter.take() == pytest.approx(0.020)  # no clean first batch yet: conservative
-    meter.observe(0.025, first=True, shadowed=False)
-    meter.observe(0.030, first=True, shadowed=True)
-    assert meter.take() == pytest.approx(0.005)
+    meter.observe(1.0, shadowed=False)
+    meter.observe(1.3, shadowed=True)
+    assert meter.take() == pytest.approx(0.3)
+    meter.observe(0.8, shadowed=True)  # a fast shadowed epoch: noise
+    assert meter.take() == pytest.approx(-0.2)
+    meter.observe(0.5, shadowed=True)
+    assert meter.take() == pytest.approx(-0.1)  # only what was charged is refunded
 
 
-def test_warmup_batches_never_form_the_baseline_and_faster_batches_never_refund():
+def test_warmup_never_baselines_and_shadowed_epochs_wait_for_a_baseline():
     meter = InterferenceMeter()
-    meter.observe(5.0, first=True, shadowed=False, warmup=True)
-    meter.observe(9.0, first=True, shadowed=True, warmup=True)
-    meter.observe(0.030, first=False, shadowed=True)
-    assert meter.take() == 0.0  # nothing to compare with yet; kept for later
-    meter.observe(0.010, first=False, shadowed=False)
-    assert meter.take() == pytest.approx(0.020)
-    meter.observe(0.001, first=False, shadowed=True)
+    meter.observe(5.0, shadowed=False, warmup=True)
+    meter.observe(1.4, shadowed=True)
     assert meter.take() == 0.0
+    meter.observe(1.0, shadowed=False)
+    assert meter.take() == pytest.approx(0.4)
