@@ -195,8 +195,12 @@ class HindsightCallback(Callback):
         decision = self.policy.decide(
             compute_time=compute_time, materialize_cost=estimate, epoch=epoch
         )
+        # Until one clean epoch (no writer alive) has been seen, a checkpoint's true cost cannot
+        # be measured: leave the epoch after the first checkpoint free of a new writer.
+        measurable = self._interference.baseline is not None or self.policy.checkpoints == 0
         decision = replace(
-            decision, checkpoint=self.should_checkpoint(trainer, decision.checkpoint)
+            decision,
+            checkpoint=self.should_checkpoint(trainer, decision.checkpoint and measurable),
         )
         self._decided_through = epoch
         if decision.checkpoint:

@@ -29,6 +29,9 @@ from torch.utils import _pytree as pytree
 from stalwart.errors import ConfigurationError
 from stalwart.hindsight.checkpoint_file import WrittenFile, write_checkpoint
 
+#: Training time lost to a background writer, as a fraction of the writer's own inline write time.
+CONTENTION_FACTOR = 0.7
+
 
 @dataclass
 class WriteJob:
@@ -205,9 +208,9 @@ class ForkMaterializer(Materializer):
         os.close(write_end)
         copy_on_write = max(shared_write - private_write, 0.0) * nbytes / probe_bytes
         # The child's serialize + checksum + fsync competes with training for cores and memory
-        # bandwidth; measured side by side that costs training about 0.7x an inline write. Take
-        # the whole inline write: a first estimate should err towards fewer checkpoints.
-        contention = InlineMaterializer().probe_cost(nbytes, directory)
+        # bandwidth; measured side by side (benchmarks/record_overhead.py, 271 MB) that costs
+        # training about 0.7x the time of writing the same state inline.
+        contention = CONTENTION_FACTOR * InlineMaterializer().probe_cost(nbytes, directory)
         return fork_cost + copy_on_write + contention
 
     @property

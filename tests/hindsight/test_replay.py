@@ -119,3 +119,56 @@ def test_function_probe_and_replay_rows_are_in_the_store(record):
     stored = stalwart.hindsight.open(record).run().metrics("lr_fn")
     mine = stored[stored.replay_id == result.replay_id]
     assert mine.epoch.tolist() == [1, 4] and set(mine.source) == {"replay"}
+
+
+class EditedTrainingStep(NoisyEpochEnd):
+    """The recorded model with a log statement added to training_step after the fact."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss_x2", loss * 2)
+        return loss
+
+
+class EditedEpochEnd(NoisyEpochEnd):
+    def on_validation_epoch_end(self) -> None:
+        self.log("bias_mean", self.net[-1].bias.mean())
+
+
+def test_edits_to_the_module_are_probes_of_their_level(record, truth):
+    L.seed_everything(3)
+    data = DigitsDataModule(batch_size=128, train_size=640)
+    inner = trainer_for(record).replay(EditedTrainingStep(width=48), data, epochs=[3])
+    assert inner.level == "inner" and set(inner.batch_epochs) == {3}
+    doubled = inner.metrics("loss_x2").value.to_numpy()
+    recorded = truth.metrics("train_loss")
+    recorded = recorded[recorded.epoch == 3].value.to_numpy()
+    assert (doubled == (torch.tensor(recorded, dtype=torch.float32) * 2).numpy()).all()
+    L.seed_everything(3)
+    outer = trainer_for(record).replay(EditedEpochEnd(width=48), data)
+    assert outer.level == "outer" and outer.batches_executed == 0
+    assert outer.metrics("bias_mean").epoch.tolist() == list(range(EPOCHS))
+
+
+class EveryThirdEpoch(HindsightCallback):
+    def should_checkpoint(self, trainer, policy_says: bool) -> bool:
+        return trainer.current_epoch % 3 == 2
+
+
+def test_missing_checkpoints_are_re_executed_and_values_stay_exact(tmp_path, truth):
+    trainer = stalwart.Trainer(
+        max_epochs=EPOCHS,
+        callbacks=[EveryThirdEpoch(dirpath=tmp_path)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+    )
+    trainer.fit(*fresh())
+    assert [c.epoch for c in stalwart.hindsight.open(tmp_path).run().checkpoints()] == [2, 5]
+    result = trainer.replay(*fresh(), probe=EpochProbe())
+    assert result.level == "outer"
+    assert sorted(set(result.batch_epochs)) == [0, 1, 3, 4]  # 2 and 5 memoized
+    assert values(result.metrics("w_norm")).equals(values(truth.metrics("w_norm")))
+    assert result.mismatches == []
