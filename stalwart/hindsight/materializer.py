@@ -136,8 +136,11 @@ class ForkMaterializer(Materializer):
         max_children: live children at most; a submit beyond it waits for the oldest (and that
             wait counts as main-thread cost). Flor never saw more than two.
         small_bytes: checkpoints with fewer tensor bytes than this are copied into a buffer
-            instead of forking at once; the buffer is written by a single child.
+            instead of forking at once; the buffer is written by a single child. Below ~16 MB a
+            copy (~1 ms/MB) is cheaper than a fork (~20 ms in a torch process) plus the
+            copy-on-write faults it causes (~0.7 ms/MB).
         max_buffered: flush the buffer once it holds this many objects (Flor used 5000).
+        max_buffer_bytes: flush the buffer once its copies hold this many tensor bytes.
         max_delay: flush the buffer once its oldest object waited this many seconds, which bounds
             what a crash of the training process can lose.
 
@@ -154,8 +157,9 @@ class ForkMaterializer(Materializer):
     def __init__(
         self,
         max_children: int = 2,
-        small_bytes: int = 1 << 20,
+        small_bytes: int = 16 << 20,
         max_buffered: int = 5000,
+        max_buffer_bytes: int = 64 << 20,
         max_delay: float = 10.0,
     ) -> None:
         super().__init__()
@@ -168,6 +172,8 @@ class ForkMaterializer(Materializer):
         self.max_children = max_children
         self.small_bytes = small_bytes
         self.max_buffered = max_buffered
+        self.max_buffer_bytes = max_buffer_bytes
+        self._buffer_bytes = 0
         self.max_delay = max_delay
         self._children: dict[int, list[str]] = {}
         self._buffer: list[WriteJob] = []
@@ -224,12 +230,16 @@ class ForkMaterializer(Materializer):
     def submit(self, job: WriteJob) -> float:
         start = time.perf_counter()
         self.poll()
-        if tensor_bytes(job.obj) < self.small_bytes:
+        nbytes = tensor_bytes(job.obj)
+        if nbytes < self.small_bytes:
             self._buffer.append(
                 WriteJob(copy.deepcopy(host_snapshot(job.obj)), job.path, job.on_written)
             )
-            if len(self._buffer) >= self.max_buffered or (
-                time.monotonic() - self._buffer[0].submitted_at >= self.max_delay
+            self._buffer_bytes += nbytes
+            if (
+                len(self._buffer) >= self.max_buffered
+                or self._buffer_bytes >= self.max_buffer_bytes
+                or time.monotonic() - self._buffer[0].submitted_at >= self.max_delay
             ):
                 self._fork(self._take_buffer())
         else:
@@ -251,6 +261,7 @@ class ForkMaterializer(Materializer):
 
     def _take_buffer(self) -> list[WriteJob]:
         jobs, self._buffer = self._buffer, []
+        self._buffer_bytes = 0
         return jobs
 
     def _reaped(self, pid: int, status: int) -> None:

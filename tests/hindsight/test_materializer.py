@@ -123,7 +123,10 @@ def test_unknown_materializer_is_rejected():
         make_materializer("thread")
 
 
-def test_checkpoints_written_by_the_callback_hold_the_state_at_their_epoch_boundary(tmp_path):
+@pytest.mark.parametrize("small_bytes", [0, 16 << 20], ids=["fork-cow", "buffered-copy"])
+def test_checkpoints_written_by_the_callback_hold_the_state_at_their_epoch_boundary(
+    tmp_path, small_bytes
+):
     """End to end: the optimizer steps right after each fork never leak into the file."""
     import lightning as L
     from digits import DigitsClassifier, DigitsDataModule
@@ -149,13 +152,16 @@ def test_checkpoints_written_by_the_callback_hold_the_state_at_their_epoch_bound
     L.seed_everything(0)
     trainer = L.Trainer(
         max_epochs=4,
-        callbacks=[EveryEpoch(dirpath=tmp_path), witness],
+        callbacks=[
+            EveryEpoch(dirpath=tmp_path, materializer=ForkMaterializer(small_bytes=small_bytes)),
+            witness,
+        ],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = DigitsClassifier(width=512, depth=2)  # ~2 MB of state: the fork (COW) path
+    model = DigitsClassifier(width=512, depth=2)
     trainer.fit(model, DigitsDataModule(batch_size=256))
     run = stalwart.hindsight.open(tmp_path).run()
     assert [c.epoch for c in run.checkpoints()] == [0, 1, 2, 3]
