@@ -23,6 +23,11 @@ def _runs(args: argparse.Namespace) -> None:
     from stalwart.hindsight.figure import plot_metric
 
     store = open_store(args.dirpath)
+    if args.decisions:
+        run = store.run(args.run)
+        print(f"{run.name}: the checkpoint policy's decision per epoch (seconds)")
+        print(run.decisions().to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+        return
     if args.plot:
         run = store.run(args.run)
         out = args.out or f"{run.name}-{args.plot}.png"
@@ -127,7 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     runs = commands.add_parser("runs", help="list the runs recorded in a run directory")
     runs.add_argument("dirpath", nargs="?", default="runs")
     runs.add_argument("--plot", metavar="METRIC", help="write a PNG of METRIC, record vs replays")
-    runs.add_argument("--run", default=None, help="run name for --plot (default: the latest)")
+    runs.add_argument(
+        "--decisions", action="store_true", help="print a run's policy decision per epoch"
+    )
+    runs.add_argument(
+        "--run", default=None, help="run name for --plot/--decisions (default: the latest)"
+    )
     runs.add_argument("--out", default=None, help="PNG path for --plot")
     runs.set_defaults(func=_runs)
     metrics = commands.add_parser("metrics", help="print every value a run logged under a name")

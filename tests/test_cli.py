@@ -33,6 +33,9 @@ def test_runs_and_metrics_commands(tmp_path):
     assert listing.returncode == 0, listing.stderr
     assert "run_0001" in listing.stdout and "completed" in listing.stdout
     assert "train_loss" in listing.stdout
+    decisions = stalwart_cli("runs", str(tmp_path), "--decisions")
+    assert decisions.returncode == 0, decisions.stderr
+    assert "threshold" in decisions.stdout and len(decisions.stdout.splitlines()) == 2 + 2
     metric = stalwart_cli("metrics", str(tmp_path), "train_loss")
     assert metric.returncode == 0, metric.stderr
     assert len(metric.stdout.splitlines()) == 1 + 2 * 3  # header + 3 batches x 2 epochs

@@ -5,10 +5,10 @@ optimizer step writes is copied on first write (copy-on-write faults, ~0.7 ms pe
 child competes for cores, memory bandwidth and the disk while it serializes, checksums and fsyncs.
 None of that shows in the main thread's fork time; measured side by side it is 20x the fork.
 
-So the cost is measured where it lands: an epoch during which a writer was alive ("shadowed") is
-compared with the median of clean epochs (no writer alive at any point), and the difference is
-charged to checkpointing. Whole epochs, validation included, so slowdowns spread over many batches
-count as much as the copy-on-write spike of the first one.
+So the cost is measured where it lands: an epoch during which a writer was alive ("shadowed")
+is compared with the lower quartile of clean epochs (no writer alive at any point), and the
+difference is charged to checkpointing. Whole epochs, validation included, so slowdowns spread
+over many batches count as much as the copy-on-write spike of the first one.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections import deque
 
 
 class InterferenceMeter:
-    """Charges shadowed epochs' excess over the clean-epoch median to checkpointing.
+    """Charges shadowed epochs' excess over clean epochs (lower quartile) to checkpointing.
 
     Noise averages out: the excess is summed with its sign (a shadowed epoch that happened to run
     fast refunds), and only the running total is kept non-negative. Shadowed epochs seen before any
@@ -42,7 +42,14 @@ class InterferenceMeter:
 
     @property
     def baseline(self) -> float | None:
-        return statistics.median(self._clean) if self._clean else None
+        """The lower quartile of clean epochs: noise (and after-effects of a writer that has just
+        exited) only ever slows an epoch down, so a low quantile is the fairer "no writer" time,
+        and erring low over-charges checkpoints rather than exceeding the budget."""
+        if not self._clean:
+            return None
+        if len(self._clean) < 4:
+            return min(self._clean)
+        return statistics.quantiles(self._clean, n=4)[0]
 
     def observe(self, epoch_seconds: float, *, shadowed: bool, warmup: bool = False) -> None:
         """One epoch's compute time. ``warmup`` epochs (the fit's first, which allocates state
