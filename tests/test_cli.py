@@ -6,11 +6,10 @@ import shutil
 import subprocess
 import sys
 
-import lightning as L
 import pytest
-from digits import DigitsClassifier, DigitsDataModule
 
 from stalwart import HindsightCallback
+from tests.helpers import fit_digits
 
 
 def stalwart_cli(*args: str) -> subprocess.CompletedProcess:
@@ -20,15 +19,7 @@ def stalwart_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_runs_and_metrics_commands(tmp_path):
-    trainer = L.Trainer(
-        max_epochs=2,
-        callbacks=[HindsightCallback(dirpath=tmp_path)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(DigitsClassifier(width=8), DigitsDataModule(batch_size=500))
+    fit_digits([HindsightCallback(dirpath=tmp_path)], epochs=2)
     listing = stalwart_cli("runs", str(tmp_path))
     assert listing.returncode == 0, listing.stderr
     assert "run_0001" in listing.stdout and "completed" in listing.stdout

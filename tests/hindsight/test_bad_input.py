@@ -25,6 +25,7 @@ from stalwart import (
     RunNotFoundError,
     StalwartError,
 )
+from tests.helpers import QUIET
 
 
 class EveryEpoch(HindsightCallback):
@@ -57,10 +58,7 @@ def recorded(tmp_path_factory) -> Path:
         max_epochs=2,
         callbacks=[EveryEpoch(dirpath=dirpath)],
         accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
     )
     trainer.fit(DigitsClassifier(width=32), DigitsDataModule())
     return dirpath
@@ -137,10 +135,7 @@ def test_dirpath_with_uri_characters_stays_usable(tmp_path, name):
         max_epochs=1,
         callbacks=[HindsightCallback(dirpath=dirpath)],
         accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
         limit_train_batches=2,
         limit_val_batches=1,
     ).fit(DigitsClassifier(width=16), DigitsDataModule())

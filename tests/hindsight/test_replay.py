@@ -9,6 +9,7 @@ from digits import DigitsClassifier, DigitsDataModule
 
 import stalwart
 from stalwart import FunctionProbe, HindsightCallback
+from tests.helpers import QUIET
 
 EPOCHS = 6
 BATCHES = 5  # 640 training samples / 128
@@ -47,11 +48,8 @@ def trainer_for(dirpath, probes=()) -> stalwart.Trainer:
     return stalwart.Trainer(
         max_epochs=EPOCHS,
         callbacks=[EveryEpoch(dirpath=dirpath), *probes],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         deterministic=True,
+        **QUIET,
     )
 
 
@@ -159,11 +157,8 @@ def test_missing_checkpoints_are_re_executed_and_values_stay_exact(tmp_path, tru
     trainer = stalwart.Trainer(
         max_epochs=EPOCHS,
         callbacks=[EveryThirdEpoch(dirpath=tmp_path)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         deterministic=True,
+        **QUIET,
     )
     trainer.fit(*fresh())
     assert [c.epoch for c in stalwart.hindsight.open(tmp_path).run().checkpoints()] == [2, 5]

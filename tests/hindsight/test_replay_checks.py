@@ -11,6 +11,7 @@ from digits import DigitsClassifier, DigitsDataModule
 
 import stalwart
 from stalwart import ConfigurationError, HindsightCallback, ReplayError
+from tests.helpers import QUIET
 
 
 class EveryEpoch(HindsightCallback):
@@ -44,11 +45,8 @@ def make_trainer(dirpath, epochs=6) -> stalwart.Trainer:
     return stalwart.Trainer(
         max_epochs=epochs,
         callbacks=[EveryEpoch(dirpath=dirpath)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         deterministic=True,
+        **QUIET,
     )
 
 

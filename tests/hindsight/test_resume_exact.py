@@ -9,6 +9,7 @@ from digits import DigitsClassifier, DigitsDataModule
 
 import stalwart
 from stalwart import HindsightCallback
+from tests.helpers import QUIET
 
 EPOCHS = 6
 
@@ -33,11 +34,8 @@ def fit(callbacks, ckpt_path=None, max_epochs=EPOCHS) -> L.LightningModule:
     trainer = L.Trainer(
         max_epochs=max_epochs,
         callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         deterministic=True,
+        **QUIET,
     )
     trainer.fit(model, DigitsDataModule(batch_size=128, train_size=640), ckpt_path=ckpt_path)
     return model, trainer

@@ -12,6 +12,7 @@ from digits import DigitsClassifier, DigitsDataModule
 import stalwart
 from stalwart import HindsightCallback
 from stalwart.hindsight.fingerprint import hook_fingerprints
+from tests.helpers import QUIET, fit_digits
 
 
 class CountingClassifier(DigitsClassifier):
@@ -44,11 +45,8 @@ def recorded(tmp_path_factory):
     trainer = L.Trainer(
         max_epochs=3,
         callbacks=[HindsightCallback(dirpath=root)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=2,
+        **QUIET,
     )
     trainer.fit(model, DigitsDataModule(batch_size=200, train_size=1000))
     return root, model
@@ -105,15 +103,7 @@ def test_module_is_left_as_it_was(recorded):
 
 def test_a_second_fit_adds_a_run(recorded):
     root, _ = recorded
-    trainer = L.Trainer(
-        max_epochs=1,
-        callbacks=[HindsightCallback(dirpath=root)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(DigitsClassifier(width=8), DigitsDataModule(batch_size=500))
+    fit_digits([HindsightCallback(dirpath=root)], epochs=1)
     store = stalwart.hindsight.open(root)
     assert [r.name for r in store.runs()] == ["run_0001", "run_0002"]
     assert store.run().name == "run_0002" and store.run("run_0001").run_id == 1
@@ -135,15 +125,7 @@ def test_fingerprints_change_only_with_the_edited_hook():
 def test_one_callback_instance_records_two_fits_as_two_full_runs(tmp_path):
     callback = HindsightCallback(dirpath=tmp_path)
     for _ in range(2):
-        trainer = L.Trainer(
-            max_epochs=2,
-            callbacks=[callback],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(DigitsClassifier(width=8), DigitsDataModule(batch_size=500))
+        fit_digits([callback], epochs=2)
     runs = stalwart.hindsight.open(tmp_path).runs()
     assert [len(run.decisions()) for run in runs] == [2, 2]
     assert [sorted(set(run.metrics("train_loss").epoch)) for run in runs] == [[0, 1], [0, 1]]

@@ -1,0 +1,21 @@
+"""Small helpers shared by the tests."""
+
+from __future__ import annotations
+
+import lightning as L
+from digits import DigitsClassifier, DigitsDataModule
+
+#: Trainer arguments that keep a test's fit from writing logs, checkpoints or progress output.
+QUIET = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+
+
+def fit_digits(callbacks: list, *, epochs: int, width: int = 8, batch_size: int = 500) -> L.Trainer:
+    """Fit a small digits MLP quietly with ``callbacks``."""
+    trainer = L.Trainer(max_epochs=epochs, callbacks=callbacks, **QUIET)
+    trainer.fit(DigitsClassifier(width=width), DigitsDataModule(batch_size=batch_size))
+    return trainer
