@@ -1,7 +1,7 @@
 """stalwart: training that is cheap to debug and cheap to recover, for Lightning and Composer."""
 
-from stalwart import hindsight
-from stalwart.callbacks import HindsightCallback
+from stalwart import hindsight, shrink
+from stalwart.callbacks import HindsightCallback, ShrinkCheckpoint
 from stalwart.callbacks.replay import FunctionProbe
 from stalwart.errors import (
     ConfigurationError,
@@ -11,6 +11,7 @@ from stalwart.errors import (
     RunNotFoundError,
     StalwartError,
 )
+from stalwart.plugins import ShrinkCheckpointIO
 from stalwart.trainer import Mismatch, ReplayResult, Trainer
 
 __version__ = "0.1.0"
@@ -25,7 +26,10 @@ __all__ = [
     "ReplayError",
     "RunDirectoryError",
     "RunNotFoundError",
+    "ShrinkCheckpoint",
+    "ShrinkCheckpointIO",
     "StalwartError",
     "Trainer",
     "hindsight",
+    "shrink",
 ]

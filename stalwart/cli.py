@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from stalwart.errors import ConfigurationError, StalwartError
+from stalwart.shrink import inspect as shrink_cli
 
 LIGHTNING_COMMANDS = ("fit", "validate")
 
@@ -155,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--run", default=None, help="run name (default: the latest)")
     replay.add_argument("--init", choices=["weak", "strong"], default="weak")
     replay.set_defaults(func=None)
+    shrink_cli.add_arguments(commands)
     for name in LIGHTNING_COMMANDS:
         commands.add_parser(name, help=f"LightningCLI {name} with stalwart.Trainer", add_help=False)
     return parser

@@ -1,0 +1,236 @@
+"""``ShrinkCheckpoint``: a ModelCheckpoint that writes shrunken (quantized, delta) checkpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from stalwart.errors import ConfigurationError
+from stalwart.hindsight.rng import capture_rng, restore_rng
+from stalwart.plugins.shrink_io import ShrinkCheckpointIO, ShrinkRequest
+from stalwart.shrink.api import ShrinkReport
+from stalwart.shrink.partition import layer_types_of
+from stalwart.shrink.search import ConfigSearch
+
+
+class ShrinkCheckpoint(ModelCheckpoint):
+    """Checkpoints 20-40x smaller, within a quality bound (Inshrinkerator).
+
+    Schedules saves exactly like :class:`~lightning.pytorch.callbacks.ModelCheckpoint` (it is
+    one). Each save searches the quantization whose held-out loss is at most ``tau`` (relative)
+    worse than the uncompressed weights', guided by a gradient EMA captured during the last
+    ``grad_window`` batches before the save, and stores the quantized weights as a delta against
+    the previous save. Resuming with ``trainer.fit(ckpt_path=...)`` reads shrunken files
+    transparently (the callback installs :class:`~stalwart.plugins.ShrinkCheckpointIO`, which still
+    reads plain checkpoints too).
+
+    Args:
+        dirpath: where checkpoints go (as in ``ModelCheckpoint``).
+        tau: largest relative increase of the held-out loss a checkpoint may cause.
+        every_n_epochs: save every this many epochs (``every_n_train_steps`` also works).
+        keyframe_every: a full checkpoint (no delta) every this many saves.
+        compress_optimizer: ``"lossless"`` (default) or ``"lossy"`` optimizer state.
+        eval_batches: how many validation batches the search evaluates candidates on.
+        evaluate: ``evaluate(module) -> loss`` on held-out data, for modules whose
+            ``training_step`` cannot score a batch (manual optimization); default: mean of
+            ``training_step`` over the first ``eval_batches`` validation batches, in eval mode.
+        grad_window: batches before each save whose gradients feed the EMA (0 = magnitude only).
+        grad_beta: weight of the newest gradient in the EMA.
+        coder: entropy coder, ``"zstd"`` or ``"huffman"``.
+        save_top_k: as in ``ModelCheckpoint``; default -1 (keep all: deltas are small).
+        **kwargs: any other ``ModelCheckpoint`` argument (``filename``, ``monitor``...).
+
+    Example::
+
+        trainer = stalwart.Trainer(max_epochs=30, callbacks=[ShrinkCheckpoint(dirpath="ckpt")])
+        trainer.fit(model, datamodule)
+        trainer.fit(model, datamodule, ckpt_path="ckpt/epoch=9-step=170.ckpt")  # resumes
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        tau: float = 0.05,
+        every_n_epochs: int | None = 1,
+        keyframe_every: int = 10,
+        compress_optimizer: str = "lossless",
+        eval_batches: int = 8,
+        evaluate: Callable[[pl.LightningModule], float] | None = None,
+        grad_window: int = 50,
+        grad_beta: float = 0.9,
+        coder: str = "zstd",
+        save_top_k: int = -1,
+        **kwargs: Any,
+    ) -> None:
+        if not tau >= 0:
+            raise ConfigurationError(f"tau is a relative degradation >= 0, got {tau}")
+        if eval_batches < 1:
+            raise ConfigurationError(f"eval_batches must be >= 1, got {eval_batches}")
+        if grad_window < 0 or not 0.0 < grad_beta <= 1.0:
+            raise ConfigurationError(
+                f"grad_window must be >= 0 and grad_beta in (0, 1]; got {grad_window}, {grad_beta}"
+            )
+        if kwargs.get("every_n_train_steps"):
+            every_n_epochs = None
+        super().__init__(
+            dirpath=dirpath, every_n_epochs=every_n_epochs, save_top_k=save_top_k, **kwargs
+        )
+        self.io = ShrinkCheckpointIO(
+            tau=tau,
+            keyframe_every=keyframe_every,
+            compress_optimizer=compress_optimizer,
+            coder=coder,
+        )
+        self.tau = tau
+        self.eval_batches = eval_batches
+        self.evaluate = evaluate
+        self.grad_window = grad_window
+        self.grad_beta = grad_beta
+        self.search = ConfigSearch(tau)
+        self._ema: dict[str, torch.Tensor] = {}
+        self._held_out: list[Any] | None = None
+        self._batch_idx = 0
+
+    @property
+    def reports(self) -> list[ShrinkReport]:
+        """One :class:`~stalwart.shrink.ShrinkReport` per checkpoint written in this process."""
+        return self.io.reports
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        current = trainer.strategy.checkpoint_io
+        if current is not self.io:
+            if not isinstance(current, ShrinkCheckpointIO):
+                self.io.delegate = current
+            trainer.strategy.checkpoint_io = self.io
+        if self.evaluate is None and not pl_module.automatic_optimization:
+            raise ConfigurationError(
+                "ShrinkCheckpoint scores candidates with training_step, which steps the optimizer "
+                "under manual optimization; pass evaluate=lambda module: <held-out loss>."
+            )
+
+    # --- gradient EMA over the window before each save -------------------------------------
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._batch_idx = batch_idx
+
+    def _in_window(self, trainer: pl.Trainer) -> bool:
+        if self.grad_window == 0:
+            return False
+        if self._every_n_train_steps:
+            left = self._every_n_train_steps - trainer.global_step % self._every_n_train_steps
+            return left <= self.grad_window
+        every = self._every_n_epochs or 1
+        if (trainer.current_epoch + 1) % every:
+            return False
+        total = trainer.num_training_batches
+        return total == float("inf") or total - self._batch_idx <= self.grad_window
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._in_window(trainer):
+            return
+        with torch.no_grad():
+            for name, parameter in pl_module.named_parameters():
+                if parameter.grad is None:
+                    continue
+                # Copied off the device (non-blocking) so the step does not wait for it.
+                grad = parameter.grad.detach().to("cpu", non_blocking=True)
+                ema = self._ema.get(name)
+                if ema is None:
+                    self._ema[name] = grad.clone()
+                else:
+                    ema.mul_(1.0 - self.grad_beta).add_(grad, alpha=self.grad_beta)
+
+    # --- the save itself ---------------------------------------------------------------------
+
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        module = trainer.lightning_module
+        request = ShrinkRequest(
+            evaluate=self._evaluator(trainer, module),
+            gradients=dict(self._ema) or None,
+            layer_types=layer_types_of(module),
+            search=self.search,
+        )
+        trainer.save_checkpoint(filepath, self.save_weights_only, storage_options=request)
+        self._ema = {}
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(self)
+
+    def _evaluator(
+        self, trainer: pl.Trainer, module: pl.LightningModule
+    ) -> Callable[[Mapping[str, torch.Tensor]], float]:
+        batches = None if self.evaluate is not None else self._held_out_batches(trainer, module)
+        original = {name: t.detach().clone() for name, t in module.state_dict().items()}
+
+        def evaluate(state_dict: Mapping[str, torch.Tensor]) -> float:
+            # Score a candidate inside the live module, leaving no trace in training: weights,
+            # train/eval mode and every RNG come back exactly as they were.
+            rng = capture_rng()
+            was_training = module.training
+            module.load_state_dict(state_dict)
+            module.eval()
+            try:
+                with torch.no_grad():
+                    if self.evaluate is not None:
+                        return float(self.evaluate(module))
+                    return self._mean_loss(module, batches)
+            finally:
+                module.load_state_dict(original)
+                module.train(was_training)
+                restore_rng(rng)
+
+        return evaluate
+
+    @staticmethod
+    def _mean_loss(module: pl.LightningModule, batches: list[Any]) -> float:
+        silent = lambda *args, **kwargs: None  # noqa: E731 - logging is not part of scoring
+        module.log, module.log_dict = silent, silent
+        try:
+            losses = []
+            for index, batch in enumerate(batches):
+                output = module.training_step(batch, index)
+                loss = output["loss"] if isinstance(output, Mapping) else output
+                losses.append(float(loss))
+            return sum(losses) / len(losses)
+        finally:
+            del module.log, module.log_dict
+
+    def _held_out_batches(self, trainer: pl.Trainer, module: pl.LightningModule) -> list[Any]:
+        if self._held_out is not None:
+            return self._held_out
+        loaders = trainer.val_dataloaders
+        if loaders is None and trainer.datamodule is not None:
+            loaders = trainer.datamodule.val_dataloader()
+        if isinstance(loaders, list | tuple):
+            loaders = loaders[0] if loaders else None
+        if loaders is None:
+            raise ConfigurationError(
+                "ShrinkCheckpoint scores candidates on validation batches, but this fit has no "
+                "validation dataloader; add one or pass evaluate=lambda module: <held-out loss>."
+            )
+        rng = capture_rng()  # iterating a shuffling loader must not shift training's randomness
+        batches = []
+        for batch in loaders:
+            batches.append(trainer.strategy.batch_to_device(batch))
+            if len(batches) == self.eval_batches:
+                break
+        restore_rng(rng)
+        self._held_out = batches
+        return batches
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["shrink_search"] = self.search.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        self.search.load_state_dict(state_dict.pop("shrink_search", {}))
+        super().load_state_dict(state_dict)

@@ -1,0 +1,294 @@
+"""``stalwart.shrink.save`` / ``load``: torch.save and torch.load for shrunken checkpoints."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stalwart.errors import ConfigurationError
+from stalwart.shrink.codec import (
+    ChainState,
+    decode_chain,
+    entries_bytes,
+    lossless_entry,
+    pack_object,
+    quantized_entry,
+    unpack_object,
+)
+from stalwart.shrink.container import FORMAT_VERSION, SectionWriter
+from stalwart.shrink.entropy import check_coder
+from stalwart.shrink.partition import QuantConfig, guess_layer_type
+from stalwart.shrink.quantize import QuantizedTensor, TensorAnalysis
+from stalwart.shrink.search import ConfigSearch
+
+DEFAULT_CONFIG = QuantConfig(bins=16, prune=0.0, prune_metric="magnitude", protect=0.005)
+LOSSY_OPTIMIZER_CONFIG = QuantConfig(bins=32, prune=0.0, prune_metric="magnitude", protect=0.01)
+MIN_QUANTIZED_NUMEL = 1024
+
+
+@dataclass
+class ShrinkReport:
+    """What one :func:`save` wrote.
+
+    ``ratio`` compares the state_dict's raw tensor bytes with the bytes its part of the file
+    takes; ``total_ratio`` does the same for everything saved (weights + ``extra``, e.g. the
+    optimizer state of a Lightning checkpoint). ``config`` is None when nothing met ``tau`` and the
+    weights were stored losslessly.
+    """
+
+    path: str
+    kind: str
+    base: str | None
+    chain_position: int
+    config: QuantConfig | None
+    degradation: float | None
+    weight_bytes: int
+    weight_stored: int
+    total_bytes: int
+    total_stored: int
+    seconds: float
+    search_seconds: float = 0.0
+    evaluations: int = 0
+    chain: ChainState | None = field(default=None, repr=False)
+
+    @property
+    def ratio(self) -> float:
+        return self.weight_bytes / max(self.weight_stored, 1)
+
+    @property
+    def total_ratio(self) -> float:
+        return self.total_bytes / max(self.total_stored, 1)
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(value) for value in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_tensor_bytes(value) for value in obj)
+    return 0
+
+
+def _previous_state(previous: str | os.PathLike | ShrinkReport | ChainState | None):
+    if previous is None or isinstance(previous, ChainState):
+        return previous
+    if isinstance(previous, ShrinkReport):
+        return previous.chain if previous.chain is not None else decode_chain(previous.path)[2]
+    return decode_chain(previous)[2]
+
+
+def _check_matches(state_dict: Mapping[str, torch.Tensor], chain: ChainState) -> None:
+    shapes = {name: tuple(t.shape) for name, t in state_dict.items()}
+    if shapes == chain.shapes:
+        return
+    missing = sorted(set(chain.shapes) - set(shapes))
+    added = sorted(set(shapes) - set(chain.shapes))
+    reshaped = sorted(
+        f"{n} {chain.shapes[n]} -> {shapes[n]}"
+        for n in set(shapes) & set(chain.shapes)
+        if shapes[n] != chain.shapes[n]
+    )
+    raise ConfigurationError(
+        f"this state_dict does not match the chain it would extend ({chain.path}): "
+        f"missing {missing[:5]}, new {added[:5]}, reshaped {reshaped[:5]}. A delta needs the same "
+        "tensors; pass previous=None to start a new chain (a keyframe)."
+    )
+
+
+def save(
+    state_dict: Mapping[str, torch.Tensor],
+    path: str | os.PathLike,
+    *,
+    previous: str | os.PathLike | ShrinkReport | None = None,
+    evaluate: Callable[[Mapping[str, torch.Tensor]], float] | None = None,
+    tau: float = 0.05,
+    gradients: Mapping[str, torch.Tensor] | None = None,
+    config: QuantConfig | None = None,
+    search: ConfigSearch | None = None,
+    layer_types: Mapping[str, str] | None = None,
+    extra: Any = None,
+    lossy_extra: bool = False,
+    coder: str = "zstd",
+    min_numel: int = MIN_QUANTIZED_NUMEL,
+) -> ShrinkReport:
+    """Write ``state_dict`` shrunken to ``path``: quantized, delta-coded against ``previous``.
+
+    Args:
+        state_dict: name -> tensor (a model's ``state_dict()``).
+        path: file to write (atomically).
+        previous: the previous checkpoint of the chain (its path or the report :func:`save`
+            returned, which avoids decoding it again); None writes a keyframe.
+        evaluate: ``evaluate(state_dict) -> loss`` on held-out data; with it, the quantization is
+            searched so that ``(loss - loss_uncompressed) / loss_uncompressed <= tau``.
+        tau: the quality bound for the search.
+        gradients: name -> gradient EMA, enabling sensitivity (|g*w|) pruning and protection.
+        config: a fixed :class:`QuantConfig` instead of a search.
+        search: a :class:`ConfigSearch` kept across saves (neighbourhood search); created if None.
+        layer_types: name -> layer type (see :mod:`stalwart.shrink.partition`); guessed if None.
+        extra: any other object to store losslessly (e.g. the rest of a Lightning checkpoint).
+        lossy_extra: quantize floating tensors in ``extra`` too (no delta).
+        coder: entropy coder of the index streams, ``"zstd"`` (default, measured faster at equal
+            size) or ``"huffman"`` (the paper's).
+        min_numel: tensors with fewer elements (biases, norms) are stored losslessly.
+
+    Example::
+
+        report = stalwart.shrink.save(model.state_dict(), "ckpt/0.shrunk")
+        report = stalwart.shrink.save(model.state_dict(), "ckpt/1.shrunk", previous=report)
+        model.load_state_dict(stalwart.shrink.load("ckpt/1.shrunk"))
+    """
+    start = time.perf_counter()
+    check_coder(coder)
+    if not tau >= 0.0:
+        raise ConfigurationError(f"tau is a relative degradation >= 0, got {tau}")
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ConfigurationError(f"cannot write {path}: directory {path.parent} does not exist")
+    bad = [name for name, t in state_dict.items() if not isinstance(t, torch.Tensor)]
+    if bad:
+        raise ConfigurationError(f"state_dict values must be tensors; not: {bad[:5]}")
+    chain = _previous_state(previous)
+    if chain is not None:
+        _check_matches(state_dict, chain)
+    state_dict = {name: t.detach().cpu() for name, t in state_dict.items()}
+    gradients = gradients or {}
+    analyses = {
+        name: TensorAnalysis(
+            tensor,
+            gradients.get(name),
+            (layer_types or {}).get(name) or guess_layer_type(name, tensor),
+        )
+        for name, tensor in state_dict.items()
+        if tensor.is_floating_point() and tensor.numel() >= min_numel
+    }
+    if chain is not None:
+        for name, analysis in analyses.items():
+            analysis.previous_levels = chain.levels.get(name)
+    degradation = None
+    search_seconds = 0.0
+    evaluations = 0
+    if config is not None:
+        quantized = {name: a.quantize(config) for name, a in analyses.items()}
+    elif evaluate is not None:
+        search = search or ConfigSearch(tau)
+        if chain is not None and search.previous is None and chain.config is not None:
+            search.previous = chain.config
+        outcome = search.run(analyses, state_dict, evaluate)
+        config, quantized, degradation = outcome.config, outcome.quantized, outcome.degradation
+        search_seconds, evaluations = outcome.seconds, len(outcome.trials)
+    else:
+        config = DEFAULT_CONFIG
+        quantized = {name: a.quantize(config) for name, a in analyses.items()}
+    return _write(
+        state_dict, quantized, path, chain, config, extra, lossy_extra, coder, min_numel,
+        analyses, degradation, start, search_seconds, evaluations,
+    )  # fmt: skip
+
+
+def _write(
+    state_dict: dict[str, torch.Tensor],
+    quantized: dict[str, QuantizedTensor],
+    path: Path,
+    chain: ChainState | None,
+    config: QuantConfig | None,
+    extra: Any,
+    lossy_extra: bool,
+    coder: str,
+    min_numel: int,
+    analyses: dict[str, TensorAnalysis],
+    degradation: float | None,
+    start: float,
+    search_seconds: float,
+    evaluations: int,
+) -> ShrinkReport:
+    sections = SectionWriter()
+    entries: dict[str, dict] = {}
+    for name, tensor in state_dict.items():
+        if name in quantized:
+            previous = None if chain is None else chain.indices.get(name)
+            entries[name] = quantized_entry(
+                quantized[name], previous, coder, sections, analyses[name].layer_type
+            )
+        else:
+            entries[name] = lossless_entry(tensor, sections)
+    weight_stored = entries_bytes(entries)
+    packed_extra = None
+    if extra is not None:
+        packed_extra = pack_object(
+            extra,
+            sections,
+            lossy=LOSSY_OPTIMIZER_CONFIG if lossy_extra else None,
+            min_numel=min_numel,
+            coder=coder,
+        )
+    base = None
+    if chain is not None:
+        base = {"file": os.path.relpath(chain.path, path.parent), "crc32": chain.crc32}
+    position = 0 if chain is None else chain.position + 1
+    header = {
+        "format": FORMAT_VERSION,
+        "kind": "keyframe" if chain is None else "delta",
+        "base": base,
+        "chain_position": position,
+        "coder": coder,
+        "config": None if config is None else config.to_dict(),
+        "degradation": degradation,
+        "order": list(state_dict),
+        "tensors": entries,
+        "extra": packed_extra,
+        "weight_bytes": _tensor_bytes(state_dict),
+        "extra_bytes": _tensor_bytes(extra),
+    }
+    size, crc = sections.write(path, header)
+    # Header and framing are charged to the weights: the header is mostly their tensor table.
+    extra_stored = sections.size - weight_stored
+    new_chain = ChainState(
+        path=path,
+        crc32=crc,
+        position=position,
+        since_keyframe=position,
+        shapes={name: tuple(t.shape) for name, t in state_dict.items()},
+        indices={name: (q.indices, q.alphabet) for name, q in quantized.items()},
+        config=config,
+        levels={name: q.levels for name, q in quantized.items()},
+    )
+    return ShrinkReport(
+        path=str(path),
+        kind=header["kind"],
+        base=None if base is None else str(chain.path),
+        chain_position=position,
+        config=config,
+        degradation=degradation,
+        weight_bytes=header["weight_bytes"],
+        weight_stored=size - extra_stored,
+        total_bytes=header["weight_bytes"] + header["extra_bytes"],
+        total_stored=size,
+        seconds=time.perf_counter() - start,
+        search_seconds=search_seconds,
+        evaluations=evaluations,
+        chain=new_chain,
+    )
+
+
+def load(path: str | os.PathLike, *, map_location: Any = "cpu") -> dict[str, torch.Tensor]:
+    """The state_dict saved at ``path``, decoded through its delta chain (keyframe first).
+
+    Raises :class:`~stalwart.errors.CorruptCheckpointError` naming the file when any file of the
+    chain is torn, corrupted, missing or replaced.
+    """
+    _, tensors, _ = decode_chain(path)
+    return {name: t.to(map_location) for name, t in tensors.items()}
+
+
+def load_with_extra(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Any, ChainState]:
+    """The state_dict, the ``extra`` object, and the chain state to continue the chain from."""
+    container, tensors, chain = decode_chain(path)
+    packed = container.header.get("extra")
+    return tensors, (None if packed is None else unpack_object(container, packed)), chain

@@ -1,0 +1,141 @@
+"""The shrunken checkpoint file: versioned, checksummed, written atomically.
+
+Layout::
+
+    b"STWSHRK\\0" | u16 format version | u32 header length | zstd(JSON header) | sections...
+    | trailer: u64 length of everything before it, u32 CRC-32 of it, b"\\0KRHSWTS"
+
+The reader checks the trailer (length, CRC, end marker) before trusting a byte, so a torn or
+altered file is an error naming the file, never a silently wrong tensor. Sections are addressed by
+(offset, length) from the end of the header.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from stalwart.errors import CorruptCheckpointError
+from stalwart.hindsight.checkpoint_file import temp_path_for
+from stalwart.shrink.entropy import zstd_compress, zstd_decompress
+
+MAGIC = b"STWSHRK\0"
+END_MAGIC = b"\0KRHSWTS"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<8sHI")
+_TRAILER = struct.Struct("<QI8s")
+
+
+def is_shrunk_file(path: str | os.PathLike) -> bool:
+    """True when ``path`` starts with the shrunken-checkpoint magic (cheap: reads 8 bytes)."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(len(MAGIC)) == MAGIC
+    except (FileNotFoundError, IsADirectoryError):
+        return False
+
+
+class SectionWriter:
+    """Collects binary sections and hands out their (offset, length) addresses."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def add(self, blob: bytes) -> list[int]:
+        address = [self._size, len(blob)]
+        self._parts.append(blob)
+        self._size += len(blob)
+        return address
+
+    def write(self, path: str | os.PathLike, header: dict) -> tuple[int, int]:
+        """Write header + sections atomically to ``path``; return (file size, CRC-32)."""
+        header_blob = zstd_compress(json.dumps(header, separators=(",", ":")).encode())
+        body = [_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header_blob)), header_blob, *self._parts]
+        crc = 0
+        length = 0
+        for part in body:
+            crc = zlib.crc32(part, crc)
+            length += len(part)
+        final = Path(path)
+        temp = temp_path_for(final)
+        with open(temp, "wb") as handle:
+            for part in body:
+                handle.write(part)
+            handle.write(_TRAILER.pack(length, crc, END_MAGIC))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, final)
+        return length + _TRAILER.size, crc
+
+
+@dataclass
+class Container:
+    """A verified file: its header and a view of its sections."""
+
+    path: Path
+    header: dict
+    crc32: int
+    size: int
+    _body: memoryview
+
+    def section(self, address: list[int]) -> bytes:
+        offset, length = address
+        return bytes(self._body[offset : offset + length])
+
+
+def read_container(path: str | os.PathLike) -> Container:
+    """Read and verify a shrunken checkpoint; :class:`CorruptCheckpointError` names the file."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"shrunken checkpoint {path} does not exist") from None
+
+    def corrupt(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"shrunken checkpoint {path} is {why}; it was truncated or changed after it was "
+            "written. Restore from an earlier checkpoint of the chain (`stalwart shrink inspect`)."
+        )
+
+    if len(data) < _PREFIX.size + _TRAILER.size or data[: len(MAGIC)] != MAGIC:
+        raise corrupt("not a complete shrunken checkpoint (bad magic or too short)")
+    length, crc, end = _TRAILER.unpack_from(data, len(data) - _TRAILER.size)
+    if end != END_MAGIC or length != len(data) - _TRAILER.size:
+        raise corrupt(f"torn: {len(data)} bytes on disk, trailer missing or inconsistent")
+    if zlib.crc32(memoryview(data)[:length]) != crc:
+        raise corrupt("corrupted: its CRC-32 does not match its contents")
+    _, version, header_length = _PREFIX.unpack_from(data, 0)
+    if version > FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"{path} uses shrunken-checkpoint format {version}; this stalwart reads up to "
+            f"{FORMAT_VERSION}. Upgrade stalwart to read it."
+        )
+    start = _PREFIX.size
+    header = json.loads(zstd_decompress(data[start : start + header_length]))
+    body = memoryview(data)[start + header_length : length]
+    return Container(path, header, crc, len(data), body)
+
+
+def read_header(path: str | os.PathLike) -> dict | None:
+    """The header alone, unverified (for bookkeeping such as who depends on whom); None if the
+    file is not a readable shrunken checkpoint."""
+    try:
+        with open(path, "rb") as handle:
+            prefix = handle.read(_PREFIX.size)
+            if len(prefix) < _PREFIX.size:
+                return None
+            magic, _, header_length = _PREFIX.unpack(prefix)
+            if magic != MAGIC:
+                return None
+            return json.loads(zstd_decompress(handle.read(header_length)))
+    except (OSError, ValueError, CorruptCheckpointError):
+        return None

@@ -1,0 +1,93 @@
+"""``stalwart shrink inspect|restore``: look into a chain; turn a shrunken file into a plain one."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from stalwart.errors import ConfigurationError
+from stalwart.hindsight.checkpoint_file import write_checkpoint
+from stalwart.shrink.api import load_with_extra
+from stalwart.shrink.codec import entries_bytes
+from stalwart.shrink.container import is_shrunk_file, read_container
+
+
+def describe(path: Path) -> dict:
+    """One row of ``inspect``: what the file is, what it depends on, how small it is."""
+    container = read_container(path)
+    header = container.header
+    weight_stored = container.size - (
+        0 if header["extra"] is None else _extra_bytes(header["extra"])
+    )
+    config = header["config"]
+    return {
+        "file": path.name,
+        "kind": header["kind"],
+        "base": None if header["base"] is None else Path(header["base"]["file"]).name,
+        "position": header["chain_position"],
+        "config": "lossless"
+        if config is None
+        else f"{config['bins']} bins, prune {config['prune']:.0%} by {config['prune_metric']}, "
+        f"protect {config['protect']:.2%}",
+        "degradation": header["degradation"],
+        "weight_ratio": header["weight_bytes"] / max(weight_stored, 1),
+        "total_ratio": (header["weight_bytes"] + header["extra_bytes"]) / container.size,
+        "bytes": container.size,
+        "weight_bytes": header["weight_bytes"],
+        "weight_stored": weight_stored,
+    }
+
+
+def _extra_bytes(packed: dict) -> int:
+    return packed["skeleton"][1] + entries_bytes(dict(enumerate(packed["tensors"])))
+
+
+def inspect(args: argparse.Namespace) -> None:
+    target = Path(args.path)
+    if target.is_dir():
+        files = sorted(
+            (p for p in target.iterdir() if p.is_file() and not p.name.startswith(".")),
+            key=lambda p: p.stat().st_mtime,
+        )
+    elif target.exists():
+        files = [target]
+    else:
+        raise ConfigurationError(f"{target} does not exist; pass a shrunken file or its directory")
+    rows = [describe(p) for p in files if is_shrunk_file(p)]
+    if not rows:
+        raise ConfigurationError(f"no shrunken checkpoints in {target}")
+    print(f"{'file':32} {'kind':8} {'base':32} {'weights':>8} {'total':>7} {'degr.':>7}  config")
+    for row in rows:
+        degradation = "-" if row["degradation"] is None else f"{row['degradation']:+.3f}"
+        print(
+            f"{row['file']:32} {row['kind']:8} {row['base'] or '-':32} "
+            f"{row['weight_ratio']:7.1f}x {row['total_ratio']:6.1f}x {degradation:>7}  "
+            f"{row['config']}"
+        )
+    raw = sum(row["weight_bytes"] for row in rows)
+    stored = sum(row["weight_stored"] for row in rows)
+    print(f"{len(rows)} checkpoint(s); weights {raw / max(stored, 1):.1f}x smaller overall")
+
+
+def restore(args: argparse.Namespace) -> None:
+    source, out = Path(args.path), Path(args.out)
+    if out.exists() and not args.force:
+        raise ConfigurationError(f"{out} exists; pass --force to overwrite it")
+    weights, extra, _ = load_with_extra(source)
+    checkpoint = dict(extra or {})
+    checkpoint["state_dict"] = weights
+    written = write_checkpoint(checkpoint, out)
+    print(f"wrote {out} ({written.nbytes} bytes): a plain Lightning checkpoint of {source}")
+
+
+def add_arguments(commands: argparse._SubParsersAction) -> None:
+    shrink = commands.add_parser("shrink", help="inspect or restore shrunken checkpoints")
+    actions = shrink.add_subparsers(dest="shrink_command", required=True)
+    look = actions.add_parser("inspect", help="the chain: kind, base, ratio, config per file")
+    look.add_argument("path", help="a shrunken checkpoint or the directory holding a chain")
+    look.set_defaults(func=inspect)
+    back = actions.add_parser("restore", help="write a plain Lightning checkpoint")
+    back.add_argument("path")
+    back.add_argument("out")
+    back.add_argument("--force", action="store_true", help="overwrite OUT")
+    back.set_defaults(func=restore)

@@ -1,0 +1,115 @@
+"""Which elements of a parameter are pruned, protected or quantized, and with how many levels.
+
+A :class:`QuantConfig` is one point of the paper's search space (Table 2). Layer types matter in
+one place: embeddings are looked up, not summed over, so each row's error reaches the output
+undiluted; they never get fewer than 16 levels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from stalwart.errors import ConfigurationError
+
+BIN_CHOICES = (4, 6, 8, 12, 16, 32)
+EMBEDDING_BIN_CHOICES = (16, 32)
+PRUNE_CHOICES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
+PROTECT_CHOICES = (0.0005, 0.005, 0.01)
+PRUNE_METRICS = ("magnitude", "sensitivity")
+LAYER_TYPES = ("linear", "conv", "attention", "embedding", "other")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How one checkpoint's quantized tensors are encoded.
+
+    Args:
+        bins: number of non-uniform levels for the quantized elements (embeddings: at least 16).
+        prune: fraction of each tensor's elements set to zero, lowest by ``prune_metric`` first.
+        prune_metric: ``"magnitude"`` (|w|) or ``"sensitivity"`` (|g * w|, needs gradients).
+        protect: fraction kept as bfloat16: the top by magnitude and (with gradients)
+            by sensitivity.
+    """
+
+    bins: int = 16
+    prune: float = 0.0
+    prune_metric: str = "magnitude"
+    protect: float = 0.005
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.bins <= 254:
+            raise ConfigurationError(f"bins must be in [2, 254], got {self.bins}")
+        if not 0.0 <= self.prune < 1.0 or not 0.0 <= self.protect < 1.0:
+            raise ConfigurationError(
+                f"prune and protect are fractions in [0, 1), got {self.prune}, {self.protect}"
+            )
+        if self.prune + self.protect >= 1.0:
+            raise ConfigurationError("prune + protect must leave some elements to quantize")
+        if self.prune_metric not in PRUNE_METRICS:
+            raise ConfigurationError(
+                f"prune_metric must be one of {PRUNE_METRICS}, got {self.prune_metric!r}"
+            )
+
+    def bins_for(self, layer_type: str) -> int:
+        if layer_type == "embedding":
+            return max(self.bins, EMBEDDING_BIN_CHOICES[0])
+        return self.bins
+
+    def estimated_bits(self) -> float:
+        """Bits per element before entropy coding; orders candidates by expected ratio."""
+        quantized = 1.0 - self.prune - self.protect
+        return quantized * math.log2(self.bins + 2) + self.prune + self.protect * 17.0
+
+    def at_most_as_aggressive_as(self, other: QuantConfig) -> bool:
+        """True when every dimension keeps at least as much precision as ``other`` does."""
+        return (
+            self.bins >= other.bins and self.prune <= other.prune and self.protect >= other.protect
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> QuantConfig:
+        return cls(**data)
+
+
+def layer_type_of_module(module: nn.Module) -> str:
+    """The layer type of a module, by class (the callback knows the modules)."""
+    if isinstance(module, nn.Embedding | nn.EmbeddingBag):
+        return "embedding"
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return "conv"
+    if isinstance(module, nn.MultiheadAttention) or "attention" in type(module).__name__.lower():
+        return "attention"
+    if isinstance(module, nn.Linear):
+        return "linear"
+    return "other"
+
+
+def layer_types_of(model: nn.Module) -> dict[str, str]:
+    """``{parameter name: layer type}`` for every parameter of ``model``, by owning module."""
+    types = {}
+    for module_name, module in model.named_modules():
+        kind = layer_type_of_module(module)
+        for name, _ in module.named_parameters(recurse=False):
+            types[f"{module_name}.{name}" if module_name else name] = kind
+    return types
+
+
+def guess_layer_type(name: str, tensor: torch.Tensor) -> str:
+    """Layer type from a state_dict entry alone (names and shapes), when no module is at hand."""
+    lowered = name.lower()
+    if "embed" in lowered or lowered.endswith(("wte.weight", "wpe.weight")):
+        return "embedding"
+    if "attn" in lowered or "attention" in lowered or "in_proj" in lowered:
+        return "attention"
+    if tensor.dim() in (3, 4, 5):
+        return "conv"
+    if tensor.dim() == 2:
+        return "linear"
+    return "other"

@@ -1,0 +1,203 @@
+"""Choosing a checkpoint's quantization under a quality bound (Inshrinkerator section 4.3).
+
+Quality falls monotonically along each axis of the "configuration cube" (fewer bins, more
+pruning, less protection), so the first checkpoint walks the feasibility staircase of the
+(bins, prune) plane for each prune metric — O(bins + prune levels) evaluations instead of all of
+them — and then tries less protection at the best point found. Later checkpoints look only at the
+radius-1 neighbourhood of the previous choice, never more aggressive than it (models grow more
+sensitive as they train), and fall back to the full search when nothing there qualifies.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from stalwart.shrink.partition import (
+    BIN_CHOICES,
+    PROTECT_CHOICES,
+    PRUNE_CHOICES,
+    QuantConfig,
+)
+from stalwart.shrink.quantize import QuantizedTensor, TensorAnalysis
+
+Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
+
+
+@dataclass
+class Trial:
+    config: QuantConfig
+    degradation: float
+    feasible: bool
+    size_bits: float
+
+
+@dataclass
+class SearchOutcome:
+    """The chosen config (None = nothing qualified: store losslessly) and what it cost to find."""
+
+    config: QuantConfig | None
+    quantized: dict[str, QuantizedTensor]
+    degradation: float
+    trials: list[Trial] = field(default_factory=list)
+    seconds: float = 0.0
+    exhaustive: bool = False
+
+
+def estimated_size_bits(quantized: Mapping[str, QuantizedTensor]) -> float:
+    """Entropy of the indices + protected values + codebooks: the ratio a candidate will reach."""
+    bits = 0.0
+    for tensor in quantized.values():
+        counts = torch.bincount(tensor.indices.long()).double()
+        p = counts[counts > 0] / tensor.indices.numel()
+        bits += float(-(p * torch.log2(p)).sum()) * tensor.indices.numel()
+        bits += 16.0 * tensor.protected.numel() + 32.0 * tensor.levels.numel()
+    return bits
+
+
+class ConfigSearch:
+    """Stateful search: remembers the last choice between checkpoints.
+
+    Args:
+        tau: the largest relative degradation of ``evaluate`` (a loss) a checkpoint may have.
+        has_gradients: whether sensitivity-based pruning is possible.
+        neighbourhood: whether later checkpoints search near the previous choice (paper) or redo
+            the full search every time.
+
+    Example::
+
+        search = ConfigSearch(tau=0.05)
+        outcome = search.run(analyses, state_dict, evaluate)
+    """
+
+    def __init__(self, tau: float = 0.05, *, neighbourhood: bool = True) -> None:
+        self.tau = tau
+        self.neighbourhood = neighbourhood
+        self.previous: QuantConfig | None = None
+
+    def state_dict(self) -> dict:
+        return {"previous": None if self.previous is None else self.previous.to_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        previous = state.get("previous")
+        self.previous = None if previous is None else QuantConfig.from_dict(previous)
+
+    def run(
+        self,
+        analyses: Mapping[str, TensorAnalysis],
+        state_dict: Mapping[str, torch.Tensor],
+        evaluate: Evaluate,
+    ) -> SearchOutcome:
+        start = time.perf_counter()
+        reference = float(evaluate(state_dict))
+        scale = max(abs(reference), 1e-12)
+        has_gradients = any(a.gradient is not None for a in analyses.values())
+        cache: dict[QuantConfig, tuple[Trial, dict[str, QuantizedTensor]]] = {}
+
+        def trial(config: QuantConfig) -> Trial:
+            if config not in cache:
+                quantized = {name: a.quantize(config) for name, a in analyses.items()}
+                candidate = dict(state_dict)
+                candidate.update({name: q.dequantize() for name, q in quantized.items()})
+                degradation = (float(evaluate(candidate)) - reference) / scale
+                feasible = math.isfinite(degradation) and degradation <= self.tau
+                record = Trial(config, degradation, feasible, estimated_size_bits(quantized))
+                cache[config] = (record, quantized)
+            return cache[config][0]
+
+        metrics = ("magnitude", "sensitivity") if has_gradients else ("magnitude",)
+        chosen = None
+        exhaustive = False
+        if self.previous is not None and self.neighbourhood:
+            chosen = self._neighbourhood(self.previous, metrics, trial)
+        if chosen is None:
+            exhaustive = True
+            chosen = self._guided_exhaustive(metrics, trial, ceiling=self.previous)
+        trials = [record for record, _ in cache.values()]
+        if chosen is None:
+            return SearchOutcome(None, {}, 0.0, trials, time.perf_counter() - start, exhaustive)
+        self.previous = chosen.config
+        return SearchOutcome(
+            chosen.config,
+            cache[chosen.config][1],
+            chosen.degradation,
+            trials,
+            time.perf_counter() - start,
+            exhaustive,
+        )
+
+    @staticmethod
+    def _neighbourhood(
+        previous: QuantConfig, metrics: tuple[str, ...], trial: Callable[[QuantConfig], Trial]
+    ) -> Trial | None:
+        metric = previous.prune_metric
+        if previous.prune > 0 and len(metrics) > 1:
+            # The paper first tries the other prune metric at the same point and switches when it
+            # is clearly better.
+            other = replace(previous, prune_metric=next(m for m in metrics if m != metric))
+            if trial(other).degradation < trial(previous).degradation - 0.1 * abs(
+                trial(previous).degradation
+            ):
+                metric = other.prune_metric
+        base = replace(previous, prune_metric=metric if previous.prune > 0 else "magnitude")
+        candidates = {base}
+        bins_at = BIN_CHOICES.index(base.bins) if base.bins in BIN_CHOICES else None
+        if bins_at is not None and bins_at + 1 < len(BIN_CHOICES):
+            candidates.add(replace(base, bins=BIN_CHOICES[bins_at + 1]))
+        if base.prune in PRUNE_CHOICES and base.prune > 0:
+            lower = PRUNE_CHOICES[PRUNE_CHOICES.index(base.prune) - 1]
+            candidates.add(replace(base, prune=lower, prune_metric=base.prune_metric))
+        if base.protect in PROTECT_CHOICES and base.protect < PROTECT_CHOICES[-1]:
+            candidates.add(
+                replace(base, protect=PROTECT_CHOICES[PROTECT_CHOICES.index(base.protect) + 1])
+            )
+        for config in sorted(candidates, key=QuantConfig.estimated_bits):
+            if trial(config).feasible:
+                return trial(config)
+        return None
+
+    @staticmethod
+    def _guided_exhaustive(
+        metrics: tuple[str, ...],
+        trial: Callable[[QuantConfig], Trial],
+        ceiling: QuantConfig | None,
+    ) -> Trial | None:
+        def allowed(config: QuantConfig) -> bool:
+            return ceiling is None or config.at_most_as_aggressive_as(ceiling)
+
+        protect = PROTECT_CHOICES[1]
+        frontier: list[Trial] = []
+
+        def feasible(bins_at: int, prune: float, metric: str) -> bool:
+            config = QuantConfig(BIN_CHOICES[bins_at], prune, metric, protect)
+            return allowed(config) and trial(config).feasible
+
+        for metric in metrics:
+            prunes = PRUNE_CHOICES if metric == "magnitude" else PRUNE_CHOICES[1:]
+            # Staircase walk over the monotone (bins, prune) plane: the fewest feasible bins can
+            # only grow with pruning, so one pointer moves down the bins at the lightest pruning,
+            # then up as pruning grows. Each (prune, fewest bins) pair is a frontier point.
+            b = len(BIN_CHOICES) - 1
+            if not feasible(b, prunes[0], metric):
+                continue
+            while b > 0 and feasible(b - 1, prunes[0], metric):
+                b -= 1
+            frontier.append(trial(QuantConfig(BIN_CHOICES[b], prunes[0], metric, protect)))
+            for prune in prunes[1:]:
+                while b < len(BIN_CHOICES) and not feasible(b, prune, metric):
+                    b += 1
+                if b == len(BIN_CHOICES):
+                    break
+                frontier.append(trial(QuantConfig(BIN_CHOICES[b], prune, metric, protect)))
+        if not frontier:
+            fallback = QuantConfig(BIN_CHOICES[-1], 0.0, "magnitude", PROTECT_CHOICES[-1])
+            return trial(fallback) if allowed(fallback) and trial(fallback).feasible else None
+        best = min(frontier, key=lambda record: record.size_bits)
+        leaner = replace(best.config, protect=PROTECT_CHOICES[0])
+        if allowed(leaner) and trial(leaner).feasible and trial(leaner).size_bits < best.size_bits:
+            return trial(leaner)
+        return best

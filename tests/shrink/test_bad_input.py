@@ -1,0 +1,100 @@
+"""Torn, corrupted, missing or mismatched files: errors naming the file, never wrong tensors."""
+
+import os
+
+import pytest
+import torch
+
+import stalwart.shrink as shrink
+from stalwart.errors import ConfigurationError, CorruptCheckpointError
+
+
+def _chain(tmp_path, n=3):
+    torch.manual_seed(0)
+    weights = {"layer.weight": torch.randn(128, 64), "layer.bias": torch.randn(128)}
+    report = None
+    for i in range(n):
+        weights = {k: v + 0.01 * torch.randn_like(v) for k, v in weights.items()}
+        report = shrink.save(weights, tmp_path / f"{i}.shrunk", previous=report)
+    return weights
+
+
+def test_truncated_file_is_named(tmp_path):
+    _chain(tmp_path)
+    path = tmp_path / "2.shrunk"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptCheckpointError, match="2.shrunk.*torn"):
+        shrink.load(path)
+
+
+@pytest.mark.parametrize("where", [0.3, 0.6, 0.95])
+def test_flipped_byte_is_detected(tmp_path, where):
+    _chain(tmp_path)
+    path = tmp_path / "1.shrunk"
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * where)] ^= 0x40
+    path.write_bytes(bytes(data))
+    # Loading the delta after it goes through the corrupted base: the error names the base.
+    for target in ("1.shrunk", "2.shrunk"):
+        with pytest.raises(CorruptCheckpointError, match="1.shrunk"):
+            shrink.load(tmp_path / target)
+
+
+def test_missing_base_of_a_delta(tmp_path):
+    _chain(tmp_path)
+    os.remove(tmp_path / "0.shrunk")
+    with pytest.raises(
+        CorruptCheckpointError, match=r"1\.shrunk is a delta on .*0\.shrunk.*missing"
+    ):
+        shrink.load(tmp_path / "2.shrunk")
+
+
+def test_replaced_base_is_detected(tmp_path):
+    _chain(tmp_path)
+    torch.manual_seed(1)
+    other = {"layer.weight": torch.randn(128, 64), "layer.bias": torch.randn(128)}
+    shrink.save(other, tmp_path / "1.shrunk")  # a different checkpoint under the base's name
+    with pytest.raises(CorruptCheckpointError, match="replaced"):
+        shrink.load(tmp_path / "2.shrunk")
+
+
+def test_state_dict_that_differs_from_the_chain(tmp_path):
+    weights = _chain(tmp_path)
+    before = sorted(p.read_bytes() for p in tmp_path.iterdir())
+    renamed = {"other.weight": weights["layer.weight"], "layer.bias": weights["layer.bias"]}
+    reshaped = {"layer.weight": torch.randn(64, 128), "layer.bias": weights["layer.bias"]}
+    for bad in (renamed, reshaped):
+        with pytest.raises(ConfigurationError, match=r"2\.shrunk.*previous=None"):
+            shrink.save(bad, tmp_path / "3.shrunk", previous=tmp_path / "2.shrunk")
+    assert not (tmp_path / "3.shrunk").exists()
+    assert sorted(p.read_bytes() for p in tmp_path.iterdir()) == before
+
+
+def test_not_a_shrunken_file(tmp_path):
+    path = tmp_path / "plain.ckpt"
+    torch.save({"a": torch.zeros(3)}, path)
+    with pytest.raises(CorruptCheckpointError, match="plain.ckpt"):
+        shrink.load(path)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"tau": -0.1},
+        {"coder": "lzma"},
+        {"config": "16 bins"},
+    ],
+)
+def test_bad_arguments(tmp_path, kwargs):
+    with pytest.raises((ConfigurationError, AttributeError)):
+        shrink.save({"w": torch.randn(2000)}, tmp_path / "x.shrunk", **kwargs)
+    assert not (tmp_path / "x.shrunk").exists()
+
+
+@pytest.mark.parametrize(
+    "config", [dict(bins=1), dict(prune=0.7, protect=0.4), dict(prune_metric="random")]
+)
+def test_bad_configs(config):
+    with pytest.raises(ConfigurationError):
+        shrink.QuantConfig(**config)

@@ -1,0 +1,112 @@
+"""The lossless layer: index deltas, run lengths, entropy coders, byte-shuffled tensors."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import stalwart.shrink as shrink
+from stalwart.shrink.codec import decode_lossless, encode_lossless
+from stalwart.shrink.delta import (
+    delta_indices,
+    run_length_decode,
+    run_length_encode,
+    undelta_indices,
+)
+from stalwart.shrink.entropy import decode_stream, encode_stream
+from stalwart.shrink.quantize import PROTECTED, PRUNED
+
+alphabets = st.integers(min_value=3, max_value=34)
+
+
+@st.composite
+def index_pairs(draw):
+    """(q_prev, alphabet_prev, q_cur, alphabet_cur): bin counts change either way, mostly-equal
+    streams with runs, and the pruned (0) / protected (1) levels present."""
+    n = draw(st.integers(min_value=0, max_value=3000))
+    a_prev, a_cur = draw(alphabets), draw(alphabets)
+    seed = draw(st.integers(0, 2**31))
+    rng = np.random.default_rng(seed)
+    prev = rng.integers(0, a_prev, n).astype(np.uint8)
+    cur = np.minimum(prev, a_cur - 1).astype(np.uint8)
+    change = rng.random(n) < draw(st.floats(0.0, 1.0))
+    cur[change] = rng.integers(0, a_cur, int(change.sum()))
+    cur[rng.random(n) < 0.05] = PRUNED
+    cur[rng.random(n) < 0.02] = PROTECTED
+    return torch.from_numpy(prev), a_prev, torch.from_numpy(cur), a_cur
+
+
+@settings(max_examples=150, deadline=None)
+@given(index_pairs(), st.sampled_from(["zstd", "huffman"]))
+def test_delta_and_coding_round_trip_exactly(pair, coder):
+    prev, a_prev, cur, a_cur = pair
+    alphabet = max(a_prev, a_cur)
+    for base in (prev, None):
+        deltas = delta_indices(cur, base, alphabet)
+        stream = run_length_encode(deltas)
+        assert stream.dtype == np.int8 and (stream[stream > 0] <= 127).all()
+        decoded = run_length_decode(decode_stream(encode_stream(stream, coder), coder))
+        assert torch.equal(undelta_indices(decoded, base, alphabet), cur)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=600), st.integers(1, 400))
+def test_run_length_handles_long_runs(values, repeat):
+    data = np.repeat(np.array(values, dtype=np.uint8), repeat % 300 + 1)
+    assert np.array_equal(run_length_decode(run_length_encode(data)), data)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(7, 13),
+        torch.randn(100).to(torch.bfloat16),
+        torch.randint(-5, 5, (3, 4, 5)),
+        torch.rand(10) > 0.5,
+        torch.randn(0, 4),
+        torch.tensor(3.5, dtype=torch.float64),
+    ],
+)
+def test_lossless_tensors_round_trip_bit_exact(tensor):
+    back = decode_lossless(encode_lossless(tensor), tensor.dtype, list(tensor.shape))
+    assert back.dtype == tensor.dtype and back.shape == tensor.shape
+    assert torch.equal(back.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
+
+
+def _chain_state(tmp_path, steps=4, bins=(8, 32, 4, 16)):
+    torch.manual_seed(0)
+    weights = {
+        "a.weight": torch.randn(64, 64),
+        "b.weight": torch.randn(3000),
+        "bias": torch.randn(5),
+    }
+    saved = []
+    previous = None
+    for step, b in enumerate(bins[:steps]):
+        weights = {k: v + 0.01 * torch.randn_like(v) for k, v in weights.items()}
+        config = shrink.QuantConfig(bins=b, prune=0.2 * (step % 2), protect=0.01)
+        previous = shrink.save(
+            weights, tmp_path / f"{step}.shrunk", previous=previous, config=config
+        )
+        saved.append((weights, previous))
+    return saved
+
+
+def test_chain_decodes_each_checkpoint_to_its_own_quantization(tmp_path):
+    # Bin counts go 8 -> 32 -> 4 -> 16 and pruning toggles: every file decodes to exactly the
+    # quantized tensor its save produced (the delta layer adds no error of its own).
+    for weights, report in _chain_state(tmp_path):
+        loaded = shrink.load(report.path)
+        for name, (indices, _) in report.chain.indices.items():
+            expected_levels = report.chain.levels[name]
+            table = torch.cat([torch.zeros(2), expected_levels])
+            expected = table[indices.long()]
+            got = loaded[name].reshape(-1)
+            protected = indices == PROTECTED
+            assert torch.equal(got[~protected], expected[~protected])
+            # Protected values come back exactly as bf16(w).
+            original = weights[name].reshape(-1)
+            assert torch.equal(got[protected], original[protected].to(torch.bfloat16).float())
+        assert torch.equal(loaded["bias"], weights["bias"])  # small tensors: lossless
+    assert report.kind == "delta" and report.chain_position == 3

@@ -1,0 +1,72 @@
+"""The configuration search: the bound holds at every checkpoint; precision only increases."""
+
+import torch
+from torch import nn
+
+import stalwart.shrink as shrink
+from stalwart.shrink.partition import QuantConfig
+
+
+def _model_and_data(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 4)
+    )
+    x = torch.randn(1024, 32)
+    y = (x[:, :4] @ torch.randn(4, 4)).argmax(1)
+    return model, x, y
+
+
+def test_bound_holds_and_neighbourhood_never_more_aggressive(tmp_path):
+    model, x, y = _model_and_data()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+
+    def loss_of(state):
+        with torch.no_grad():
+            out = torch.func.functional_call(model, dict(state), (x[:512],))
+            return float(nn.functional.cross_entropy(out, y[:512]))
+
+    search = shrink.ConfigSearch(tau=0.05)
+    report = None
+    configs = []
+    for step in range(6):
+        for _ in range(25):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x[512:]), y[512:]).backward()
+            optimizer.step()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        report = shrink.save(
+            model.state_dict(), tmp_path / f"{step}.shrunk", previous=report,
+            evaluate=loss_of, search=search, gradients=grads,
+        )  # fmt: skip
+        # The bound holds for what was actually written (decoded from the file), not only for
+        # the search's own bookkeeping.
+        reference = loss_of(model.state_dict())
+        written = loss_of(shrink.load(report.path))
+        assert report.degradation <= 0.05 + 1e-9
+        assert (written - reference) / reference <= 0.05 + 1e-6
+        configs.append(report.config)
+    assert report.evaluations <= 8  # steady state: a handful, not the full search
+    for before, after in zip(configs, configs[1:], strict=False):
+        assert after.at_most_as_aggressive_as(before), (before, after)
+
+
+def test_nothing_qualifies_stores_losslessly(tmp_path):
+    model, _, _ = _model_and_data()
+    state = model.state_dict()
+    exact = {k: v.clone() for k, v in state.items()}
+
+    def only_exact(candidate):
+        return 0.0 if all(torch.equal(candidate[k], exact[k]) for k in exact) else 1.0
+
+    report = shrink.save(state, tmp_path / "x.shrunk", evaluate=only_exact, tau=0.0)
+    assert report.config is None
+    loaded = shrink.load(report.path)
+    assert all(torch.equal(loaded[k], exact[k]) for k in exact)
+
+
+def test_fixed_config_skips_search(tmp_path):
+    model, _, _ = _model_and_data()
+    config = QuantConfig(bins=6, prune=0.3, protect=0.0005)
+    report = shrink.save(model.state_dict(), tmp_path / "x.shrunk", config=config)
+    assert report.config == config and report.evaluations == 0 and report.ratio > 6
