@@ -16,7 +16,11 @@ import time
 
 import lightning as L
 import torch
-from digits import DigitsDataModule
+
+try:
+    from digits import DigitsDataModule
+except ImportError:  # imported as examples.digits_cnn, e.g. from a YAML class_path
+    from examples.digits import DigitsDataModule
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset

@@ -58,7 +58,7 @@ class ShrinkCheckpoint(ModelCheckpoint):
         every_n_epochs: int | None = 1,
         keyframe_every: int = 10,
         compress_optimizer: str = "lossless",
-        eval_batches: int = 8,
+        eval_batches: int = 4,
         evaluate: Callable[[pl.LightningModule], float] | None = None,
         grad_window: int = 50,
         grad_beta: float = 0.9,

@@ -80,6 +80,8 @@ def quantized_entry(
     # A delta stream is mostly long zero runs: run lengths + zstd. A keyframe's indices have few
     # runs and a skewed histogram, where coding them directly (Huffman under "auto") is smaller.
     options = [(coder if coder != "auto" else "zstd", True)]
+    if previous is None and np.count_nonzero(deltas[1:] != deltas[:-1]) > deltas.size // 4:
+        options = []  # many short runs: run-length coding cannot win, skip the attempt
     if previous is None:
         if coder != "auto":
             options.append((coder, False))
@@ -172,12 +174,17 @@ def pack_object(
 
 
 def decode_entry(
-    container: Container, entry: dict, previous: torch.Tensor | None = None
-) -> tuple[torch.Tensor, QuantizedTensor | None]:
-    """One table entry back to a tensor (and its quantized form when it has one)."""
+    container: Container,
+    entry: dict,
+    previous: torch.Tensor | None = None,
+    *,
+    values: bool = True,
+) -> tuple[torch.Tensor | None, QuantizedTensor | None]:
+    """One table entry back to a tensor (and its quantized form when it has one); with
+    ``values=False`` a quantized entry is decoded to indices only (for a chain's inner files)."""
     if entry["encoding"] == "quantized":
         quantized = decode_quantized(container, entry, previous, container.header["coder"])
-        return quantized.dequantize(), quantized
+        return (quantized.dequantize() if values else None), quantized
     data = container.section(entry["data"])
     return decode_lossless(data, dtype_of(entry["dtype"]), entry["shape"]), None
 
@@ -244,14 +251,17 @@ def decode_chain(path: str | Path) -> tuple[Container, dict[str, torch.Tensor], 
     indices: dict[str, tuple[torch.Tensor, int]] = {}
     tensors: dict[str, torch.Tensor] = {}
     levels: dict[str, torch.Tensor] = {}
-    for container in files:
+    for position, container in enumerate(files):
         header = container.header
         current: dict[str, tuple[torch.Tensor, int]] = {}
         tensors = {}
+        last = position == len(files) - 1
         for name, entry in header["tensors"].items():
             previous = indices.get(name)
+            if not last and entry["encoding"] != "quantized":
+                continue  # an inner file's lossless tensors are not needed by what follows
             tensors[name], quantized = decode_entry(
-                container, entry, None if previous is None else previous[0]
+                container, entry, None if previous is None else previous[0], values=last
             )
             if quantized is not None:
                 current[name] = (quantized.indices, quantized.alphabet)

@@ -15,6 +15,14 @@ import torch
 MAX_RUN = 127
 
 
+def modular_difference(a: np.ndarray, b: np.ndarray, alphabet: int) -> np.ndarray:
+    """``(a - b) mod alphabet`` for uint8 inputs below ``alphabet``, in uint8 arithmetic (the
+    wrap-around of a negative difference is shifted from 256 down to ``alphabet``)."""
+    difference = a - b
+    difference[a < b] += np.uint8(alphabet)
+    return difference
+
+
 def delta_indices(
     current: torch.Tensor, previous: torch.Tensor | None, alphabet: int
 ) -> np.ndarray:
@@ -27,7 +35,7 @@ def delta_indices(
     if previous is None:
         return cur.astype(np.uint8, copy=True)
     prev = previous.numpy()
-    deltas = ((prev.astype(np.int16) - cur.astype(np.int16)) % alphabet).astype(np.uint8)
+    deltas = modular_difference(prev, cur, alphabet)
     # numpy's stable sort of uint8 keys is a radix sort: O(n).
     return deltas[np.argsort(prev, kind="stable")]
 
@@ -41,8 +49,7 @@ def undelta_indices(
     prev = previous.numpy()
     ordered = np.empty_like(deltas)
     ordered[np.argsort(prev, kind="stable")] = deltas
-    current = (prev.astype(np.int16) - ordered.astype(np.int16)) % alphabet
-    return torch.from_numpy(current.astype(np.uint8))
+    return torch.from_numpy(modular_difference(prev, ordered, alphabet))
 
 
 def run_length_encode(values: np.ndarray) -> np.ndarray:

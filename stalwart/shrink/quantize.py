@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from stalwart.shrink.kmeans import assign_sorted, point_weights, weighted_kmeans_1d
@@ -38,10 +39,11 @@ class QuantizedTensor:
         return FIRST_LEVEL + self.levels.numel()
 
     def dequantize(self) -> torch.Tensor:
-        table = torch.cat([torch.zeros(FIRST_LEVEL), self.levels.float()])
-        values = table[self.indices.long()]
-        values[self.indices == PROTECTED] = self.protected.float()
-        return values.reshape(self.shape).to(self.dtype)
+        table = np.concatenate([np.zeros(FIRST_LEVEL, np.float32), self.levels.float().numpy()])
+        indices = self.indices.numpy()
+        values = table[indices]  # numpy indexes with the uint8 array directly: no int64 copy
+        values[indices == PROTECTED] = self.protected.float().numpy()
+        return torch.from_numpy(values).reshape(self.shape).to(self.dtype)
 
 
 class TensorAnalysis:
@@ -75,9 +77,10 @@ class TensorAnalysis:
     @cached_property
     def magnitude_sketch(self) -> LogSketch:
         return LogSketch.from_buckets(
-            self.buckets[self.nonzero],
+            self.buckets,
             self.alpha,
             zero_count=int(self.values.numel() - int(self.nonzero.sum())),
+            mask=self.nonzero,
         )
 
     @cached_property
@@ -115,45 +118,49 @@ class TensorAnalysis:
         rest = ~(protect | prune)
         init = self.previous_levels if init is None else init
         levels = self._codebook(rest, config.bins_for(self.layer_type), seed, init)
-        indices = torch.empty(self.values.numel(), dtype=torch.uint8)
-        indices[prune] = PRUNED
-        indices[protect] = PROTECTED
         if levels.numel():
             # Elements of one histogram bucket share a level: assignment is a table lookup.
-            ids, low, span = self._signed_ids(rest)
-            table_values = self._id_values(low, span)
-            table = (assign_sorted(table_values, levels.double()) + FIRST_LEVEL).to(torch.uint8)
-            indices[rest] = table[ids]
+            table = assign_sorted(self._id_values, levels.double()) + FIRST_LEVEL
+            indices = table.to(torch.uint8)[self._ids]
+        else:
+            indices = torch.full_like(self._ids, PRUNED, dtype=torch.uint8)
+        indices.masked_fill_(prune, PRUNED)
+        indices.masked_fill_(protect, PROTECTED)
         protected = self.values[protect].to(torch.bfloat16)
         return QuantizedTensor(indices, levels.float(), protected, self.shape, self.dtype)
 
-    def _signed_ids(self, rest: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-        # One histogram id per element of ``rest``: positive buckets, then negative, then zero.
-        buckets = self.buckets[rest]
-        values = self.values[rest]
-        nonzero = values != 0
-        if bool(nonzero.any()):
-            low = int(buckets[nonzero].min())
-            span = int(buckets[nonzero].max()) - low + 1
-        else:
-            low, span = 0, 1
-        ids = (buckets.long() - low).clamp_(0, span - 1)
-        ids += span * (values < 0).long()
-        ids[~nonzero] = 2 * span
-        return ids, low, span
+    @cached_property
+    def _span(self) -> tuple[int, int]:
+        sketch = self.magnitude_sketch
+        if sketch.keys.numel() == 0:
+            return 0, 1
+        low = int(sketch.keys[0])
+        return low, int(sketch.keys[-1]) - low + 1
 
-    def _id_values(self, low: int, span: int) -> torch.Tensor:
+    @cached_property
+    def _ids(self) -> torch.Tensor:
+        # One histogram id per element, computed once: positive buckets, negative, then zero.
+        low, span = self._span
+        ids = (self.buckets - low).clamp_(0, span - 1)
+        ids += span * (self.values < 0).to(torch.int32)
+        return ids.masked_fill_(~self.nonzero, 2 * span).long()
+
+    @cached_property
+    def _id_values(self) -> torch.Tensor:
+        low, span = self._span
         magnitudes = representative(torch.arange(low, low + span), self.alpha)
         return torch.cat([magnitudes, -magnitudes, torch.zeros(1, dtype=torch.float64)])
 
     def _codebook(
         self, rest: torch.Tensor, bins: int, seed: int, init: torch.Tensor | None
     ) -> torch.Tensor:
-        if not bool(rest.any()):
-            return torch.empty(0)
-        ids, low, span = self._signed_ids(rest)
-        counts = torch.bincount(ids, minlength=2 * span + 1)
+        # The histogram of the quantized elements only, without gathering them: a weighted count.
+        counts = torch.bincount(
+            self._ids, weights=rest.to(torch.float32), minlength=self._id_values.numel()
+        )
         present = counts > 0
-        points = self._id_values(low, span)[present]
+        if not bool(present.any()):
+            return torch.empty(0)
+        points = self._id_values[present]
         weights = point_weights(points, counts[present])
         return weighted_kmeans_1d(points, weights, bins, seed=seed, init=init)

@@ -130,18 +130,19 @@ class ConfigSearch:
             exhaustive,
         )
 
-    @staticmethod
     def _neighbourhood(
-        previous: QuantConfig, metrics: tuple[str, ...], trial: Callable[[QuantConfig], Trial]
+        self,
+        previous: QuantConfig,
+        metrics: tuple[str, ...],
+        trial: Callable[[QuantConfig], Trial],
     ) -> Trial | None:
         metric = previous.prune_metric
         if previous.prune > 0 and len(metrics) > 1:
             # The paper first tries the other prune metric at the same point and switches when it
-            # is clearly better.
+            # is clearly better. "Clearly": by a quarter of the bound, because a switch re-prunes
+            # different elements and so costs a poorly compressible delta.
             other = replace(previous, prune_metric=next(m for m in metrics if m != metric))
-            if trial(other).degradation < trial(previous).degradation - 0.1 * abs(
-                trial(previous).degradation
-            ):
+            if trial(other).degradation < trial(previous).degradation - 0.25 * self.tau:
                 metric = other.prune_metric
         base = replace(previous, prune_metric=metric if previous.prune > 0 else "magnitude")
         candidates = {base}
@@ -181,6 +182,11 @@ class ConfigSearch:
             # Staircase walk over the monotone (bins, prune) plane: the fewest feasible bins can
             # only grow with pruning, so one pointer moves down the bins at the lightest pruning,
             # then up as pruning grows. Each (prune, fewest bins) pair is a frontier point.
+            if feasible(0, prunes[-1], metric):
+                # The most aggressive corner already qualifies (typical early in training): it
+                # dominates the whole plane, no walk needed.
+                frontier.append(trial(QuantConfig(BIN_CHOICES[0], prunes[-1], metric, protect)))
+                continue
             b = len(BIN_CHOICES) - 1
             if not feasible(b, prunes[0], metric):
                 continue

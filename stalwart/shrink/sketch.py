@@ -70,13 +70,28 @@ class LogSketch:
 
     @classmethod
     def from_buckets(
-        cls, buckets: torch.Tensor, alpha: float = DEFAULT_ALPHA, *, zero_count: int = 0
+        cls,
+        buckets: torch.Tensor,
+        alpha: float = DEFAULT_ALPHA,
+        *,
+        zero_count: int = 0,
+        mask: torch.Tensor | None = None,
     ) -> LogSketch:
-        """Sketch from precomputed bucket indices of non-zero magnitudes (one O(n) bincount)."""
-        if buckets.numel() == 0:
-            return cls(alpha, zero_count=zero_count)
-        low = int(buckets.min())
-        counts = torch.bincount((buckets - low).long())
+        """Sketch from precomputed bucket indices of non-zero magnitudes (one O(n) bincount).
+
+        With ``mask``, only the buckets where it is True count (no gather of the selection).
+        """
+        if mask is not None:
+            if not bool(mask.any()):
+                return cls(alpha, zero_count=zero_count)
+            low = int(torch.where(mask, buckets, torch.iinfo(buckets.dtype).max).min())
+            shifted = (buckets - low).clamp_(min=0)
+            counts = torch.bincount(shifted, weights=mask.to(torch.float32)).round_().long()
+        else:
+            if buckets.numel() == 0:
+                return cls(alpha, zero_count=zero_count)
+            low = int(buckets.min())
+            counts = torch.bincount((buckets - low).long())
         keys = torch.nonzero(counts).reshape(-1)
         return cls(alpha, keys + low, counts[keys], zero_count)
 

@@ -1,0 +1,162 @@
+"""A checkpoint folder's delta chain: which save is a keyframe, what a delta extends, and which
+files may be deleted. Shared by the Lightning IO plugin and the Composer algorithm, which only
+differ in where the weights sit inside their checkpoint objects."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stalwart.errors import ConfigurationError
+from stalwart.hindsight.checkpoint_file import temp_path_for
+from stalwart.shrink.api import ShrinkReport, load_with_extra, save
+from stalwart.shrink.codec import ChainState
+from stalwart.shrink.container import read_header
+from stalwart.shrink.partition import QuantConfig
+from stalwart.shrink.search import ConfigSearch
+
+OPTIMIZER_MODES = ("lossless", "lossy")
+RETIRED_FILE = ".shrink-retired.json"
+
+
+@dataclass
+class ShrinkRequest:
+    """What a caller adds to one save: the search's scoring function, gradients, layer types."""
+
+    evaluate: Callable[[Mapping[str, torch.Tensor]], float] | None = None
+    gradients: Mapping[str, torch.Tensor] | None = None
+    layer_types: Mapping[str, str] | None = None
+    search: ConfigSearch | None = None
+
+
+class ChainWriter:
+    """Writes successive checkpoints as a delta chain and reads any of them back.
+
+    Args:
+        tau: quality bound for saves that come with an ``evaluate`` function.
+        config: fixed :class:`~stalwart.shrink.QuantConfig` for saves without a search.
+        keyframe_every: a full (non-delta) checkpoint every this many saves.
+        compress_optimizer: ``"lossless"`` (default) or ``"lossy"`` for ``extra``'s tensors.
+        coder: ``"zstd"`` or ``"huffman"``.
+
+    Example::
+
+        chain = ChainWriter(keyframe_every=5)
+        chain.save(model.state_dict(), {"optimizer": opt.state_dict()}, "ckpt/ep1.shrunk")
+        weights, extra = chain.load("ckpt/ep1.shrunk")
+    """
+
+    def __init__(
+        self,
+        tau: float = 0.05,
+        config: QuantConfig | None = None,
+        keyframe_every: int = 10,
+        compress_optimizer: str = "lossless",
+        coder: str = "zstd",
+    ) -> None:
+        if keyframe_every < 1:
+            raise ConfigurationError(f"keyframe_every must be >= 1, got {keyframe_every}")
+        if compress_optimizer not in OPTIMIZER_MODES:
+            raise ConfigurationError(
+                f"compress_optimizer must be one of {OPTIMIZER_MODES}, got {compress_optimizer!r}"
+            )
+        self.tau = tau
+        self.config = config
+        self.keyframe_every = keyframe_every
+        self.compress_optimizer = compress_optimizer
+        self.coder = coder
+        self.chain: ChainState | None = None
+        self.reports: list[ShrinkReport] = []
+
+    def save(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        extra: Any,
+        path: str | os.PathLike,
+        request: ShrinkRequest | None = None,
+    ) -> ShrinkReport:
+        """Write ``weights`` (quantized; a delta when the chain allows) and ``extra``."""
+        request = request or ShrinkRequest()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        previous = self.chain
+        if previous is not None and (
+            previous.position + 1 >= self.keyframe_every
+            or not previous.path.exists()
+            or previous.path.resolve() == path.resolve()
+            or {n: tuple(t.shape) for n, t in weights.items()} != previous.shapes
+        ):
+            previous = None
+        report = save(
+            weights,
+            path,
+            previous=previous,
+            evaluate=request.evaluate,
+            tau=self.tau,
+            gradients=request.gradients,
+            config=self.config if request.evaluate is None else None,
+            search=request.search,
+            layer_types=request.layer_types,
+            extra=extra,
+            lossy_extra=self.compress_optimizer == "lossy",
+            coder=self.coder,
+        )
+        self.chain = report.chain
+        self.reports.append(report)
+        self.collect_retired(path.parent)
+        return report
+
+    def load(self, path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Any]:
+        """The weights and ``extra`` saved at ``path``; a resumed run continues this chain."""
+        weights, extra, chain = load_with_extra(path)
+        self.chain = chain
+        return weights, extra
+
+    def remove(self, path: str | os.PathLike) -> None:
+        """Retire a checkpoint: deleted now if no live file depends on it, else once none does."""
+        path = Path(path)
+        retired = self._retired(path.parent)
+        retired.add(path.name)
+        self._write_retired(path.parent, retired)
+        self.collect_retired(path.parent)
+
+    def _retired(self, directory: Path) -> set[str]:
+        try:
+            return set(json.loads((directory / RETIRED_FILE).read_text()))
+        except (FileNotFoundError, ValueError):
+            return set()
+
+    def _write_retired(self, directory: Path, names: set[str]) -> None:
+        target = directory / RETIRED_FILE
+        temp = temp_path_for(target)
+        temp.write_text(json.dumps(sorted(names)))
+        os.replace(temp, target)
+
+    def collect_retired(self, directory: Path) -> None:
+        """Delete retired files that no live file depends on, directly or through others."""
+        retired = self._retired(directory)
+        if not retired:
+            return
+        bases: dict[str, str | None] = {}
+        for candidate in directory.iterdir():
+            header = read_header(candidate) if candidate.is_file() else None
+            if header is not None:
+                base = header.get("base")
+                bases[candidate.name] = None if base is None else Path(base["file"]).name
+        needed: set[str] = set()
+        live = [name for name in bases if name not in retired]
+        if self.chain is not None:
+            live.append(self.chain.path.name)
+        for name in live:
+            while name is not None and name not in needed:
+                needed.add(name)
+                name = bases.get(name)
+        for name in sorted(retired - needed):
+            (directory / name).unlink(missing_ok=True)
+        self._write_retired(directory, retired & needed)
