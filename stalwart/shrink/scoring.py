@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,3 +45,23 @@ def live_evaluator(
             restore_rng(rng)
 
     return evaluate
+
+
+def first_batches(
+    loader: Iterable[Any], count: int, to_device: Callable[[Any], Any] = lambda batch: batch
+) -> list[Any]:
+    """The first ``count`` batches of ``loader``, on the device, for scoring candidates.
+
+    Iterating a loader draws from the RNG (its base seed, a shuffling sampler's order): the
+    generators are put back, so taking held-out batches does not shift training's randomness.
+    """
+    rng = capture_rng()
+    batches = []
+    try:
+        for batch in loader:
+            batches.append(to_device(batch))
+            if len(batches) == count:
+                break
+    finally:
+        restore_rng(rng)
+    return batches
