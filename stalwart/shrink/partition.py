@@ -15,8 +15,11 @@ from torch import nn
 
 from stalwart.errors import ConfigurationError
 
-BIN_CHOICES = (4, 6, 8, 12, 16, 32)
-EMBEDDING_BIN_CHOICES = (16, 32)
+# The paper's table stops at 32 levels. 64 and 128 are ours: a converged model whose held-out loss
+# is near zero makes a relative bound strict, and without them the search falls back to storing
+# the weights losslessly (measured on the digits CNN: 1.4x instead of ~7x for those checkpoints).
+BIN_CHOICES = (4, 6, 8, 12, 16, 32, 64, 128)
+EMBEDDING_BIN_CHOICES = (16, 32, 64, 128)
 PRUNE_CHOICES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
 PROTECT_CHOICES = (0.0005, 0.005, 0.01)
 PRUNE_METRICS = ("magnitude", "sensitivity")
