@@ -1,8 +1,9 @@
 """stalwart: training that is cheap to debug and cheap to recover, for Lightning and Composer."""
 
-from stalwart import hindsight, shrink
+from stalwart import gnn, hindsight, shrink
 from stalwart.callbacks import HindsightCallback, ShrinkCheckpoint
 from stalwart.callbacks.replay import FunctionProbe
+from stalwart.datamodules import StaleGAT, StaleGatherDataModule, StaleGCN, StaleGNNModule
 from stalwart.errors import (
     ConfigurationError,
     CorruptCheckpointError,
@@ -12,6 +13,7 @@ from stalwart.errors import (
     StalwartError,
 )
 from stalwart.plugins import ShrinkCheckpointIO
+from stalwart.strategies import RedundantPipelineStrategy
 from stalwart.trainer import Mismatch, ReplayResult, Trainer
 
 __version__ = "0.1.0"
@@ -22,14 +24,20 @@ __all__ = [
     "FunctionProbe",
     "HindsightCallback",
     "Mismatch",
+    "RedundantPipelineStrategy",
     "ReplayResult",
     "ReplayError",
     "RunDirectoryError",
     "RunNotFoundError",
     "ShrinkCheckpoint",
     "ShrinkCheckpointIO",
+    "StaleGAT",
+    "StaleGCN",
+    "StaleGNNModule",
+    "StaleGatherDataModule",
     "StalwartError",
     "Trainer",
+    "gnn",
     "hindsight",
     "shrink",
 ]

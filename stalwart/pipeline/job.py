@@ -1,0 +1,140 @@
+"""The description of one redundant-pipeline training run, checked before any process starts.
+
+Example:
+    >>> job = PipelineJob(num_stages=4, num_microbatches=4, steps=6)
+    >>> job.validate().bounds
+    [[0, 2], [2, 4], [4, 6], [6, 9]]
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from stalwart.errors import ConfigurationError
+from stalwart.pipeline.partition import balanced_bounds, measured_costs, parameter_costs
+from stalwart.pipeline.schedule import SCHEDULES
+from stalwart.pipeline.workloads import load_workload
+
+REDUNDANCY = ("eager", "lazy", "none")
+OPTIMIZERS = ("sgd", "adam")
+
+
+@dataclass
+class PipelineJob:
+    """Everything the launcher and every worker need to know.
+
+    Args:
+        num_stages: pipeline depth P.
+        num_microbatches: micro-batches per step M.
+        steps: optimizer steps to run.
+        redundancy: ``"eager"`` (eager FRC + lazy BRC), ``"lazy"`` (replicas kept fresh, all
+            redundant computation after a failure) or ``"none"`` (no replicas: any loss is fatal).
+        num_nodes: worker processes; at most P x D (one pipeline: D = 1), at least P.
+        failure_timeout: seconds a send/recv or the rendezvous waits for a silent peer.
+        workload: ``package.module:Class`` of a :class:`~stalwart.pipeline.workloads.Workload`.
+        workload_kwargs: its keyword arguments.
+        batch_size: global batch per step (split into M micro-batches).
+        optimizer: ``"sgd"`` (momentum 0.9) or ``"adam"``; ``lr`` its learning rate.
+        schedule: ``"1f1b"`` or ``"gpipe"``.
+        partition: balance stages by ``"parameters"`` or measured ``"time"``.
+        checkpoint_every: steps between checkpoints (0: only the initial one).
+        checkpoint_dir: where stage checkpoints go.
+        verify_replicas: publish a SHA-256 of every owner and replica state after each step.
+        seed: model initialisation seed (the same on every worker).
+        bounds: stage layer bounds ``[[start, end), ...]``; computed by :meth:`validate`
+            from ``partition`` unless given.
+    """
+
+    num_stages: int = 4
+    num_microbatches: int = 4
+    steps: int = 8
+    redundancy: str = "eager"
+    num_nodes: int | None = None
+    num_pipelines: int = 1
+    failure_timeout: float = 10.0
+    workload: str = "stalwart.pipeline.workloads:DigitsMLP"
+    workload_kwargs: dict = field(default_factory=dict)
+    batch_size: int = 32
+    optimizer: str = "adam"
+    lr: float = 1e-2
+    schedule: str = "1f1b"
+    partition: str = "parameters"
+    checkpoint_every: int = 0
+    checkpoint_dir: str | None = None
+    verify_replicas: bool = False
+    seed: int = 0
+    bounds: list | None = None
+
+    def validate(self) -> PipelineJob:
+        """Check every field; return a copy with ``num_nodes`` and ``bounds`` filled in."""
+        if self.num_stages < 1:
+            raise ConfigurationError(f"num_stages={self.num_stages}: use at least 1 stage.")
+        if self.num_pipelines != 1:
+            raise ConfigurationError(
+                f"num_pipelines={self.num_pipelines}: this runtime trains one pipeline (D=1); "
+                "run several jobs or use num_pipelines=1."
+            )
+        nodes = self.num_nodes if self.num_nodes is not None else self.num_stages
+        if self.num_stages > nodes:
+            raise ConfigurationError(
+                f"num_stages={self.num_stages} is larger than the world size {nodes}: every "
+                "stage needs its own node; lower num_stages or raise num_nodes."
+            )
+        if nodes > self.num_stages * self.num_pipelines:
+            raise ConfigurationError(
+                f"num_nodes={nodes} exceeds P x D = {self.num_stages * self.num_pipelines}."
+            )
+        if not self.failure_timeout > 0:
+            raise ConfigurationError(
+                f"failure_timeout={self.failure_timeout}: a peer must get a positive number of "
+                "seconds to answer before it is declared lost (e.g. 10)."
+            )
+        if self.num_microbatches < 1 or self.steps < 1:
+            raise ConfigurationError("num_microbatches and steps must be at least 1.")
+        if self.batch_size % self.num_microbatches:
+            raise ConfigurationError(
+                f"batch_size={self.batch_size} must be a multiple of "
+                f"num_microbatches={self.num_microbatches}."
+            )
+        if self.redundancy not in REDUNDANCY:
+            raise ConfigurationError(f"redundancy={self.redundancy!r}: use one of {REDUNDANCY}.")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigurationError(f"optimizer={self.optimizer!r}: use one of {OPTIMIZERS}.")
+        if self.schedule not in SCHEDULES:
+            raise ConfigurationError(f"schedule={self.schedule!r}: use one of {list(SCHEDULES)}.")
+        if self.checkpoint_every < 0:
+            raise ConfigurationError("checkpoint_every must be >= 0.")
+        workload = load_workload(self.workload, self.workload_kwargs)
+        torch.manual_seed(self.seed)
+        layers = workload.layers()
+        if self.bounds is not None:  # given (e.g. a DeepSpeed PipelineModule's own parts)
+            flat = [b for pair in self.bounds for b in pair]
+            ends = [b[1] for b in self.bounds[:-1]] == [b[0] for b in self.bounds[1:]]
+            if (
+                len(self.bounds) != self.num_stages or flat[0] != 0 or flat[-1] != len(layers)
+                or not ends or any(b[0] >= b[1] for b in self.bounds)
+            ):  # fmt: skip
+                raise ConfigurationError(
+                    f"bounds {self.bounds}: give {self.num_stages} contiguous non-empty "
+                    f"[start, end) ranges covering the {len(layers)} layers."
+                )
+            return replace(self, num_nodes=nodes)
+        if self.partition == "parameters":
+            costs = parameter_costs(layers)
+        elif self.partition == "time":
+            x, _ = workload.microbatch(0, 0, self.num_microbatches, self.batch_size)
+            costs = measured_costs(layers, x)
+        else:
+            raise ConfigurationError(f"partition={self.partition!r}: use 'parameters' or 'time'.")
+        bounds = [list(b) for b in balanced_bounds(costs, self.num_stages)]
+        return replace(self, num_nodes=nodes, bounds=bounds)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> PipelineJob:
+        return cls(**json.loads(text))

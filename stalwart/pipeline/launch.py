@@ -1,0 +1,241 @@
+"""The agent: hosts the rendezvous store, starts one worker process per node, watches them.
+
+The c10d ``TCPStore`` lives in this process, which is not a trainer, so it survives the loss of
+any worker. The agent reports every worker that exits before finishing as ``dead/<rank>`` —
+the fast path of failure detection (the workers' own send/recv errors and ``failure_timeout``
+are the slow path, and what a multi-machine launch without this agent relies on).
+
+Example:
+    >>> result = launch(PipelineJob(num_stages=4, steps=3), faults=[Fault(2, 1, "backward")])
+    >>> len(result.losses), result.events[0]["kind"]
+    (3, 'failover')
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch.distributed import PrefixStore, TCPStore
+
+from stalwart.errors import ConfigurationError, StalwartError
+from stalwart.pipeline.faults import Fault
+from stalwart.pipeline.job import PipelineJob
+
+# Start workers without running stalwart/__init__.py: it imports Lightning (~15 s per process on
+# a loaded 2-core machine); the pipeline runtime needs only torch and its own package.
+_BOOT = (
+    "import importlib.util, sys, types\n"
+    "spec = importlib.util.find_spec('stalwart')\n"
+    "pkg = types.ModuleType('stalwart')\n"
+    "pkg.__path__ = list(spec.submodule_search_locations)\n"
+    "sys.modules['stalwart'] = pkg\n"
+    "from stalwart.pipeline.runtime import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+class PipelineRunError(StalwartError):
+    """The pipeline run did not complete (a hang past the timeout, or a suspended job)."""
+
+
+@dataclass
+class RunResult:
+    """What a finished run recorded in the store.
+
+    Attributes:
+        losses: per-step training loss (as computed by the owner of the last stage).
+        step_seconds: per-step wall time on the last stage.
+        digests: ``{(step, stage): {"owner": sha256, "replica": sha256}}``.
+        events: recoveries in order (kind, lost ranks, step, resume step, seconds, ...).
+        exit_codes: per launch rank (negative = killed by that signal).
+        frc_reused: per rank, how many forwards a shadow took from its eager-FRC cache.
+        seconds: wall time of the run.
+    """
+
+    losses: list[float]
+    step_seconds: list[float]
+    digests: dict[tuple[int, int], dict[str, str]] = field(default_factory=dict)
+    events: list[dict] = field(default_factory=list)
+    exit_codes: dict[int, int] = field(default_factory=dict)
+    frc_reused: dict[int, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def launch(
+    job: PipelineJob,
+    faults: Sequence[Fault] = (),
+    timeout: float = 120.0,
+    progress: bool = False,
+    start_method: str = "fork",
+) -> RunResult:
+    """Validate ``job``, run it on ``job.num_nodes`` local worker processes, collect results.
+
+    Args:
+        job: the run; bad input raises :class:`ConfigurationError` before any process starts.
+        faults: kills/preemptions to inject.
+        timeout: seconds before the run is declared hung; the workers are then killed.
+        progress: print each completed step.
+        start_method: ``"fork"`` (workers start in milliseconds from this process's imports)
+            or ``"spawn"`` (a fresh interpreter per worker, seconds each).
+    """
+    if job.workload.startswith("in-memory:") and start_method != "fork":
+        raise ConfigurationError("an in-memory workload needs start_method='fork'.")
+    job = job.validate()
+    for fault in faults:
+        if fault.rank >= job.num_nodes:
+            raise ConfigurationError(f"fault {fault}: there are only {job.num_nodes} ranks.")
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="stalwart-pipeline-") as tmp:
+        if job.checkpoint_dir is None:
+            job.checkpoint_dir = str(Path(tmp) / "checkpoints")
+        job_file = Path(tmp) / "job.json"
+        job_file.write_text(job.to_json())
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        faults_json = json.dumps([f.to_dict() for f in faults])
+        if start_method == "fork":
+            # Fork before this process starts the store's server thread: a child forked while
+            # that thread holds a lock inherits the lock held and hangs in its own TCPStore
+            # (seen here: ~1 launch in 10 hung in the worker's TCPStore constructor).
+            procs, ports = _fork(job, faults_json)
+        elif start_method != "spawn":
+            raise ConfigurationError(f"start_method={start_method!r}: use 'fork' or 'spawn'.")
+        master = TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=30),
+        )  # fmt: skip
+        store = PrefixStore("run", master)
+        if start_method == "fork":
+            for conn in ports:
+                conn.send(master.port)
+                conn.close()
+        else:
+            procs = _spawn(job, job_file, master.port, faults_json, env)
+        exit_codes: dict[int, int] = {}
+        reported = 0
+        try:
+            while len(exit_codes) < len(procs):
+                for rank, proc in procs.items():
+                    code = proc.poll()
+                    if rank in exit_codes or code is None:
+                        continue
+                    exit_codes[rank] = code
+                    if not store.check([f"finished/{rank}"]):
+                        store.set(f"dead/{rank}", f"exit code {code}")
+                if progress:
+                    while store.check([f"loss/{reported}"]):
+                        print(f"step {reported}: loss {float(store.get(f'loss/{reported}')):.5f}")
+                        reported += 1
+                if time.monotonic() - started > timeout:
+                    raise PipelineRunError(
+                        f"the run did not finish within {timeout:.0f}s; workers killed. "
+                        "Raise the timeout or look for a hung peer."
+                    )
+                time.sleep(0.01)
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+        result = _collect(store, job, exit_codes, time.monotonic() - started)
+    if len(result.losses) < job.steps:
+        raise PipelineRunError(
+            f"training stopped before step {job.steps} ({len(result.losses)} steps done); exit "
+            f"codes {exit_codes}; events {result.events}. A suspended job resumes from its "
+            "last checkpoint when enough nodes are back."
+        )
+    return result
+
+
+class _Forked:
+    """A forked worker with the ``Popen`` calls the agent uses."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self.process = process
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def wait(self) -> None:
+        self.process.join()
+
+
+def _forked_worker(conn: Any, job_json: str, rank: int, faults_json: str) -> None:
+    from stalwart.pipeline.runtime import run_worker
+
+    port = conn.recv()
+    conn.close()
+    run_worker(job_json, rank, port, faults_json)
+
+
+def _fork(job: PipelineJob, faults_json: str) -> tuple[dict, list]:
+    ctx = multiprocessing.get_context("fork")
+    procs, ports = {}, []
+    for rank in range(job.num_nodes):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=_forked_worker, args=(child, job.to_json(), rank, faults_json), daemon=True
+        )
+        proc.start()
+        child.close()
+        procs[rank] = _Forked(proc)
+        ports.append(parent)
+    return procs, ports
+
+
+def _spawn(job: PipelineJob, job_file: Path, port: int, faults_json: str, env: dict) -> dict:
+    return {
+        rank: subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _BOOT,
+                "--job",
+                str(job_file),
+                "--rank",
+                str(rank),
+                "--port",
+                str(port),
+                "--faults",
+                faults_json,
+            ],
+            env=env,
+        )  # fmt: skip
+        for rank in range(job.num_nodes)
+    }
+
+
+def _collect(store: PrefixStore, job: PipelineJob, codes: dict[int, int], secs: float) -> RunResult:
+    losses, times = [], []
+    for step in range(job.steps):
+        if not store.check([f"loss/{step}"]):
+            break
+        losses.append(float(store.get(f"loss/{step}")))
+        times.append(float(store.get(f"time/{step}")))
+    digests: dict[tuple[int, int], dict[str, str]] = {}
+    if job.verify_replicas:
+        for step in range(job.steps):
+            for stage in range(job.num_stages):
+                for role in ("owner", "replica"):
+                    key = f"digest/{step}/{stage}/{role}"
+                    if store.check([key]):
+                        digests.setdefault((step, stage), {})[role] = store.get(key).decode()
+    events = []
+    count = store.add("events", 0)
+    for n in range(1, count + 1):
+        events.append(json.loads(store.get(f"event/{n}")))
+    reused = {r: store.add(f"frc_reused/{r}", 0) for r in range(job.num_nodes)}
+    return RunResult(losses, times, digests, events, codes, reused, secs)

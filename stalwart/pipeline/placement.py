@@ -1,0 +1,166 @@
+"""Which node runs which stage, which node holds which replica, and how that changes.
+
+Pure data. :class:`Placement` maps stages to owner ranks and replica holders; the replicas of a
+node's stages live on its ring predecessor (the last node holds stage 0's replica).
+:func:`plan_recovery` decides, after nodes are lost, between *failover* (every lost stage has a
+live replica: its holder becomes the owner, no state moves) and *checkpoint fallback* (some
+stage has no live copy). :func:`plan_cluster` is the reconfiguration policy of thesis §3.7:
+symmetric pipelines, spare nodes on standby, never more than P x D nodes, suspend when fewer
+than one pipeline's worth remain.
+
+Example:
+    >>> p = Placement.initial(4, [0, 1, 2, 3])
+    >>> plan_recovery(p, alive={0, 1, 3}).placement.stages_of(1)
+    [1, 2]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Stage ownership and replica placement of one pipeline.
+
+    Args:
+        owner: ``owner[stage]`` is the rank that runs the stage.
+        replica: ``replica[stage]`` is the rank holding its replica, or ``None``.
+    """
+
+    owner: tuple[int, ...]
+    replica: tuple[int | None, ...]
+
+    @classmethod
+    def initial(cls, num_stages: int, ranks: Sequence[int]) -> Placement:
+        """Stages spread contiguously over ``ranks``; replicas on each rank's ring predecessor."""
+        n = len(ranks)
+        owner = tuple(ranks[stage * n // num_stages] for stage in range(num_stages))
+        if n < 2:
+            return cls(owner, (None,) * num_stages)
+        index = {r: i for i, r in enumerate(ranks)}
+        replica = tuple(ranks[(index[o] - 1) % n] for o in owner)
+        return cls(owner, replica)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.owner)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(set(self.owner))
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The rank's stages in the order its stream runs them (ring order, so a node that took
+        over stage 0 from its wrap-around successor runs [P-1, 0])."""
+        mine = [s for s in range(self.num_stages) if self.owner[s] == rank]
+        starts = [s for s in mine if (s - 1) % self.num_stages not in mine]
+        if not starts:
+            return mine
+        first = starts[0]
+        return sorted(mine, key=lambda s: (s - first) % self.num_stages)
+
+    def replicas_of(self, rank: int) -> list[int]:
+        """Stages whose replica the rank holds, in pipeline order (stage 0 first when it wraps)."""
+        mine = [s for s in range(self.num_stages) if self.replica[s] == rank]
+        starts = [s for s in mine if (s - 1) % self.num_stages not in mine]
+        if not starts:
+            return mine
+        return sorted(mine, key=lambda s: (s - starts[0]) % self.num_stages)
+
+    def fatal_if_lost(self, rank: int) -> bool:
+        """Whether losing ``rank`` alone would leave a stage with no live copy."""
+        return any(self.replica[s] is None for s in self.stages_of(rank))
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """Outcome of :func:`plan_recovery`: ``kind`` is ``"failover"``, ``"fallback"`` or
+    ``"suspend"``; ``placement`` is the new placement (``None`` when suspending)."""
+
+    kind: str
+    placement: Placement | None
+    lost: tuple[int, ...]
+    reason: str = ""
+
+
+def plan_recovery(placement: Placement, alive: Iterable[int], min_nodes: int = 1) -> Recovery:
+    """Decide how the survivors ``alive`` continue after the other ranks were lost.
+
+    Failover when every stage of a lost rank has a live replica: the replica holder (the
+    shadow) becomes the owner; replicas that lived on lost ranks, or that were just promoted,
+    are gone until a reconfiguration. Otherwise fall back to the last checkpoint on the
+    survivors (stages spread contiguously, replicas on ring predecessors), or suspend when fewer
+    than ``min_nodes`` survive.
+    """
+    alive_set = set(alive)
+    lost = tuple(r for r in placement.ranks if r not in alive_set)
+    survivors = [r for r in placement.ranks if r in alive_set]
+    if not lost:
+        return Recovery("failover", placement, lost, "nothing lost")
+    if len(survivors) < max(1, min_nodes):
+        return Recovery("suspend", None, lost, f"{len(survivors)} node(s) left < {min_nodes}")
+    owner = list(placement.owner)
+    replica = list(placement.replica)
+    for stage, rank in enumerate(placement.owner):
+        if rank in alive_set:
+            continue
+        holder = placement.replica[stage]
+        if holder is None or holder not in alive_set:
+            return Recovery(
+                "fallback",
+                Placement.initial(placement.num_stages, survivors),
+                lost,
+                f"stage {stage} lost its owner {rank} and its replica "
+                f"({'none' if holder is None else f'on rank {holder}'})",
+            )
+        owner[stage] = holder
+        replica[stage] = None
+    for stage, holder in enumerate(replica):
+        if holder is not None and holder not in alive_set:
+            replica[stage] = None
+    return Recovery("failover", Placement(tuple(owner), tuple(replica)), lost, "shadow takes over")
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """Outcome of :func:`plan_cluster`."""
+
+    pipelines: int
+    active: int
+    standby: int
+    suspend: bool
+
+
+def plan_cluster(
+    num_stages: int, max_pipelines: int, nodes: int, standby_limit: int | None = None
+) -> ClusterPlan:
+    """Thesis §3.7 reconfiguration policy for ``nodes`` available nodes.
+
+    Keep pipelines symmetric (depth P): run ``min(D, nodes // P)`` pipelines and put the rest on
+    standby (at most ``standby_limit``; extra nodes are released so the cluster never exceeds
+    ``P x D`` nodes in use or waiting). With fewer than P nodes, suspend (checkpoint and wait for
+    allocations).
+    """
+    pipelines = min(max_pipelines, nodes // num_stages)
+    active = pipelines * num_stages
+    cap = num_stages * max_pipelines - active
+    if standby_limit is not None:
+        cap = min(cap, standby_limit)
+    standby = min(nodes - active, cap)
+    return ClusterPlan(pipelines, active, standby, pipelines == 0)
+
+
+def should_reconfigure(
+    placement: Placement, standby: int, num_stages: int, failures_pending: bool
+) -> bool:
+    """Reconfigure at a step boundary when (a) consecutive failures are pending, (b) standby
+    nodes can bring the pipeline back to one node per stage, or (c) one more failure of some
+    node would be fatal and a standby node could restore its redundancy."""
+    if failures_pending:
+        return True
+    missing = num_stages - len(placement.ranks)
+    if 0 < missing <= standby:
+        return True
+    return standby > 0 and any(placement.fatal_if_lost(r) for r in placement.ranks)

@@ -1,0 +1,466 @@
+"""The worker: interprets its instruction list, keeps replicas fresh, survives lost peers.
+
+One process per node. Each worker owns one or more stages and holds replicas of its ring
+successor's stages. Per step it runs its program (see :mod:`stalwart.pipeline.schedule`), sends
+each owned stage's gradient to the replica holder, commits the step through the store, and
+then both owner and shadow apply the optimizer — so the replica equals the owner bit for bit.
+
+On a lost peer (a send/recv raises, or the agent reports a death) the worker reports it in the
+store, drops its process group — closing its sockets wakes every rank blocked on it — and joins
+the rendezvous of the next generation on a fresh ``PrefixStore``. The survivors agree on the
+membership, compute the same new :class:`~stalwart.pipeline.placement.Placement`, and re-run
+the interrupted step (communication comes before computation, so the step is re-runnable):
+the shadow now also runs the victim's merged stream, reusing the eager-FRC outputs and saved
+intermediates of that step for the victim's forward and backward (lazy BRC). When some stage
+has no live copy left, the survivors load the last complete checkpoint instead.
+
+Run as ``python -m stalwart.pipeline.runtime --job JOB.json --rank R --port PORT``; the
+launcher (:mod:`stalwart.pipeline.launch`) does that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+from stalwart.pipeline.faults import Fault, FaultInjector
+from stalwart.pipeline.job import PipelineJob
+from stalwart.pipeline.placement import Placement, plan_recovery
+from stalwart.pipeline.schedule import SCHEDULES, Instruction, Op, add_eager_frc, merge_streams
+from stalwart.pipeline.workloads import load_workload
+
+ACT, GRAD, REPLICA = 0, 1, 2
+
+
+class PeerFailure(Exception):
+    """A peer stopped answering (its process died, or it abandoned the group)."""
+
+
+def tag(kind: int, stage: int, mb: int) -> int:
+    return (kind * 256 + stage) * 65536 + mb
+
+
+def state_digest(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> str:
+    """SHA-256 over parameter bytes and every optimizer-state tensor (bit-for-bit identity)."""
+    h = hashlib.sha256()
+    for p in module.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        for key in sorted(state):
+            value = state[key]
+            data = value if torch.is_tensor(value) else torch.tensor(value)
+            h.update(key.encode())
+            h.update(data.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def atomic_save(obj: object, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def latest_checkpoint(directory: Path, num_stages: int) -> int | None:
+    """The newest step for which every stage's file exists."""
+    steps = []
+    for d in directory.glob("step-*"):
+        if all((d / f"stage-{s}.pt").exists() for s in range(num_stages)):
+            steps.append(int(d.name.split("-")[1]))
+    return max(steps) if steps else None
+
+
+class Worker:
+    """One pipeline node. See the module docstring."""
+
+    def __init__(self, job: PipelineJob, rank: int, store: TCPStore, faults: list[Fault]):
+        self.job, self.rank, self.store = job, rank, store
+        self.injector = FaultInjector(rank, faults)
+        self.P, self.M = job.num_stages, job.num_microbatches
+        self.last = self.P - 1
+        self.workload = load_workload(job.workload, job.workload_kwargs)
+        self.ckpt_dir = Path(job.checkpoint_dir) if job.checkpoint_dir else None
+        self.base = SCHEDULES[job.schedule](self.P, self.M)
+        self.gen = 0
+        self.members = list(range(job.num_nodes))
+        self.placement = Placement.initial(self.P, self.members)
+        if job.redundancy == "none":
+            self.placement = Placement(self.placement.owner, (None,) * self.P)
+        self.modules: dict[int, nn.Module] = {}
+        self.optimizers: dict[int, torch.optim.Optimizer | None] = {}
+        self._build(self._held_stages(), checkpoint=None)
+        self._shapes()
+        self.frc_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.pg: ProcessGroupGloo | None = None
+        self.pending: list = []
+
+    # ----------------------------------------------------------------- model state
+    def _held_stages(self) -> list[int]:
+        return self.placement.stages_of(self.rank) + self.placement.replicas_of(self.rank)
+
+    def _stage_module(self, layers: list[nn.Module], stage: int) -> nn.Sequential:
+        start, end = self.job.bounds[stage]
+        return nn.Sequential(*layers[start:end])
+
+    def _make_optimizer(self, module: nn.Module) -> torch.optim.Optimizer | None:
+        if not any(True for _ in module.parameters()):
+            return None  # e.g. a stage of only activations: nothing to optimise
+        if self.job.optimizer == "sgd":
+            return torch.optim.SGD(module.parameters(), lr=self.job.lr, momentum=0.9)
+        return torch.optim.Adam(module.parameters(), lr=self.job.lr)
+
+    def _build(self, stages: list[int], checkpoint: int | None) -> None:
+        """(Re)build the held stages from the seed, or from checkpoint step files."""
+        torch.manual_seed(self.job.seed)
+        layers = self.workload.layers()
+        self.modules, self.optimizers = {}, {}
+        for s in stages:
+            module = self._stage_module(layers, s)
+            opt = self._make_optimizer(module)
+            if checkpoint is not None and self.ckpt_dir is not None:
+                state = torch.load(
+                    self.ckpt_dir / f"step-{checkpoint:06d}" / f"stage-{s}.pt", weights_only=True
+                )
+                module.load_state_dict(state["module"])
+                if opt is not None:
+                    opt.load_state_dict(state["optimizer"])
+            self.modules[s], self.optimizers[s] = module, opt
+
+    def _shapes(self) -> None:
+        """Activation shape/dtype at every stage boundary, from one no-grad pass."""
+        torch.manual_seed(self.job.seed)
+        layers = self.workload.layers()
+        x, _ = self.workload.microbatch(0, 0, self.M, self.job.batch_size)
+        self.out_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
+        with torch.no_grad():
+            for s in range(self.P):
+                x = self._stage_module(layers, s)(x)
+                self.out_meta[s] = (x.shape, x.dtype)
+
+    # ----------------------------------------------------------------- program
+    def program(self) -> list[Instruction]:
+        own = self.placement.stages_of(self.rank)
+        prog = list(self.base[own[0]])
+        for s in own[1:]:
+            prog = merge_streams(prog, self.base[s], self.base)
+        if self.job.redundancy == "eager":
+            prog = add_eager_frc(prog, own[-1], self.placement.replicas_of(self.rank))
+        return prog
+
+    # ----------------------------------------------------------------- communication
+    def _grank(self, rank: int) -> int:
+        return self.members.index(rank)
+
+    def _recv(self, t: torch.Tensor, src: int, tg: int) -> None:
+        try:
+            self.pg.recv([t], self._grank(src), tg).wait()
+        except RuntimeError as exc:
+            raise PeerFailure(f"recv from rank {src}: {exc}") from None
+
+    def _isend(self, t: torch.Tensor, dst: int, tg: int) -> None:
+        try:
+            self.pending.append((self.pg.send([t.contiguous()], self._grank(dst), tg), dst))
+        except RuntimeError as exc:
+            raise PeerFailure(f"send to rank {dst}: {exc}") from None
+
+    def _wait_sends(self) -> None:
+        for work, dst in self.pending:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise PeerFailure(f"send to rank {dst}: {exc}") from None
+        self.pending = []
+
+    def _connect(self) -> None:
+        timeout = datetime.timedelta(seconds=self.job.failure_timeout)
+        prefix = PrefixStore(f"gen{self.gen}", self.store)
+        try:
+            self.pg = ProcessGroupGloo(prefix, self._grank(self.rank), len(self.members), timeout)
+        except RuntimeError as exc:
+            raise PeerFailure(f"forming generation {self.gen}: {exc}") from None
+
+    # ----------------------------------------------------------------- one step
+    def _input_for_frc(self, s: int, k: int, step: int, outs: dict) -> torch.Tensor:
+        if s == 0:
+            return self.workload.microbatch(step, k, self.M, self.job.batch_size)[0]
+        if (s - 1, k) in self.frc_cache:
+            return self.frc_cache[(s - 1, k)][1]
+        return outs[(s - 1, k)]
+
+    def run_step(self, step: int) -> float | None:
+        """Execute this rank's program for ``step``; returns the step loss on the last stage."""
+        owner = self.placement.owner
+        ins_buf: dict[tuple[int, int], torch.Tensor] = {}
+        outs: dict[tuple[int, int], torch.Tensor] = {}
+        grads: dict[tuple[int, int], torch.Tensor] = {}
+        labels: dict[int, torch.Tensor] = {}
+        losses: dict[int, float] = {}
+        self.injector.check(step, None)
+        for ins in self.program():
+            self.injector.check(step, ins)
+            s, k = ins.stage, ins.mb
+            if ins.op is Op.LOAD:
+                x, y = self.workload.microbatch(step, k, self.M, self.job.batch_size)
+                if s == 0:
+                    ins_buf[(0, k)] = x
+                if s == self.last:
+                    labels[k] = y
+            elif ins.op is Op.RECV_ACT:
+                shape, dtype = self.out_meta[s - 1]
+                t = torch.empty(shape, dtype=dtype)
+                self._recv(t, owner[s - 1], tag(ACT, s, k))
+                ins_buf[(s, k)] = t.requires_grad_(t.is_floating_point())
+            elif ins.op is Op.FORWARD:
+                cached = self.frc_cache.pop((s, k), None)
+                if cached is not None:
+                    # Failover: the shadow already ran this forward eagerly (FRC) with the
+                    # same weights; reuse its output and saved intermediates.
+                    ins_buf[(s, k)], out = cached
+                    self.store.add(self._key("frc_reused", self.rank), 1)
+                else:
+                    if s > 0 and (s - 1, k) in outs and owner[s - 1] == self.rank:
+                        ins_buf[(s, k)] = outs[(s - 1, k)].detach().requires_grad_()
+                    out = self.modules[s](ins_buf[(s, k)])
+                if s == self.last:
+                    out = self.workload.loss(out, labels.pop(k)) / self.M
+                    losses[k] = out.item() * self.M
+                outs[(s, k)] = out
+            elif ins.op is Op.SEND_ACT:
+                self._isend(outs[(s, k)].detach(), owner[s + 1], tag(ACT, s + 1, k))
+            elif ins.op is Op.RECV_GRAD:
+                shape, dtype = self.out_meta[s]
+                t = torch.empty(shape, dtype=dtype)
+                self._recv(t, owner[s + 1], tag(GRAD, s, k))
+                grads[(s, k)] = t
+            elif ins.op is Op.BACKWARD:
+                out = outs.pop((s, k))
+                if s == self.last:
+                    out.backward()
+                else:
+                    g = grads.pop((s, k), None)
+                    if g is None:  # the next stage is local: its input gradient is ours
+                        g = ins_buf.pop((s + 1, k)).grad
+                    torch.autograd.backward(out, g)
+                if s == 0:
+                    ins_buf.pop((0, k), None)
+            elif ins.op is Op.SEND_GRAD:
+                self._isend(ins_buf.pop((s, k)).grad, owner[s - 1], tag(GRAD, s - 1, k))
+            elif ins.op is Op.FRC:
+                inp = self._input_for_frc(s, k, step, outs).detach()
+                leaf = inp.requires_grad_(inp.is_floating_point())
+                # Intermediates go to host memory: they are only needed if this rank must
+                # run the successor's backward (lazy BRC) after a failure. On a CPU the
+                # pack hooks would only add overhead, so they are used on accelerators only.
+                offload = torch.autograd.graph.save_on_cpu() if leaf.device.type != "cpu" else None
+                with offload or contextlib.nullcontext():
+                    self.frc_cache[(s, k)] = (leaf, self.modules[s](leaf))
+        self._exchange_replica_grads()
+        self._wait_sends()
+        if losses:
+            return sum(losses[k] for k in sorted(losses)) / len(losses)
+        return None
+
+    def _exchange_replica_grads(self) -> None:
+        """Owners send their stage gradient to the replica holder, which applies the same
+        optimizer step (cheaper than shipping weights and optimizer state; see the report)."""
+        for s in self.placement.stages_of(self.rank):
+            holder = self.placement.replica[s]
+            if holder is not None and self.optimizers[s] is not None:
+                flat = torch.cat([p.grad.reshape(-1) for p in self.modules[s].parameters()])
+                self._isend(flat, holder, tag(REPLICA, s, 0))
+        for s in self.placement.replicas_of(self.rank):
+            params = list(self.modules[s].parameters())
+            if not params:
+                continue
+            flat = torch.empty(sum(p.numel() for p in params))
+            self._recv(flat, self.placement.owner[s], tag(REPLICA, s, 0))
+            offset = 0
+            for p in params:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+
+    # ----------------------------------------------------------------- store protocol
+    def _key(self, *parts: object) -> str:
+        return "/".join(str(p) for p in parts)
+
+    def _commit(self, step: int) -> None:
+        """All members finished the step, or the step is aborted (raise PeerFailure)."""
+        self.store.set(self._key("done", self.gen, step, self.rank), "1")
+        deadline = time.monotonic() + self.job.failure_timeout
+        while True:
+            if self.store.check([self._key("abort", self.gen)]):
+                raise PeerFailure(f"generation {self.gen} aborted by a peer")
+            # Read deaths before completions: a dead rank cannot finish later, so "dead and
+            # not done" is final and every survivor reaches the same verdict.
+            dead = [m for m in self.members if self.store.check([self._key("dead", m)])]
+            done = [
+                m for m in self.members if self.store.check([self._key("done", self.gen, step, m)])
+            ]
+            if len(done) == len(self.members):
+                return
+            if any(m not in done for m in dead):
+                raise PeerFailure(f"rank(s) {dead} died before finishing step {step}")
+            if time.monotonic() > deadline:
+                raise PeerFailure(f"step {step} not finished by all within the failure timeout")
+            time.sleep(0.002)
+
+    def _rendezvous(self, step: int, reason: str) -> int:
+        """Form the next generation; returns the step to (re-)run."""
+        started = time.monotonic()
+        old = list(self.members)
+        self.store.set(self._key("abort", self.gen), str(self.rank))
+        self.store.set(self._key("report", self.gen, self.rank), reason[:300])
+        self.gen += 1
+        self.store.set(self._key("join", self.gen, self.rank), "1")
+        deadline = time.monotonic() + self.job.failure_timeout
+        while True:
+            joined = [m for m in old if self.store.check([self._key("join", self.gen, m)])]
+            dead = [m for m in old if self.store.check([self._key("dead", m)])]
+            if set(joined) | set(dead) >= set(old) or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        recovery = plan_recovery(self.placement, joined)
+        resume = step
+        if recovery.kind == "fallback":
+            ckpt = latest_checkpoint(self.ckpt_dir, self.P) if self.ckpt_dir else None
+            if ckpt is None:
+                recovery = type(recovery)("suspend", None, recovery.lost, "no checkpoint")
+            else:
+                resume = ckpt
+        proposal = json.dumps(
+            {"members": joined, "kind": recovery.kind, "resume": resume, "step": step,
+             "lost": list(recovery.lost), "reason": recovery.reason}
+        )  # fmt: skip
+        decision = json.loads(self.store.compare_set(self._key("members", self.gen), "", proposal))
+        if self.rank not in decision["members"] or decision["kind"] == "suspend":
+            self.store.set(self._key("left", self.rank), decision["kind"])
+            sys.exit(3 if decision["kind"] == "suspend" else 0)
+        recovery = plan_recovery(self.placement, decision["members"])
+        self.members = decision["members"]
+        if decision["kind"] == "fallback":
+            self.placement = recovery.placement
+            if self.job.redundancy == "none":
+                self.placement = Placement(self.placement.owner, (None,) * self.P)
+            self._build(self._held_stages(), checkpoint=decision["resume"])
+            self.frc_cache.clear()
+        else:
+            keep = set(recovery.placement.stages_of(self.rank))
+            keep |= set(recovery.placement.replicas_of(self.rank))
+            self.placement = recovery.placement
+            for s in list(self.modules):
+                if s not in keep:
+                    del self.modules[s], self.optimizers[s]
+            for key in [key for key in self.frc_cache if key[0] not in keep]:
+                del self.frc_cache[key]
+        for module in self.modules.values():
+            module.zero_grad(set_to_none=True)
+        if self.rank == min(self.members):
+            event = dict(decision, gen=self.gen, seconds=round(time.monotonic() - started, 4))
+            n = self.store.add("events", 1)
+            self.store.set(self._key("event", n), json.dumps(event))
+        return decision["resume"]
+
+    # ----------------------------------------------------------------- main loop
+    def _checkpoint(self, step: int) -> None:
+        if self.ckpt_dir is None:
+            return
+        for s in self.placement.stages_of(self.rank):
+            state = {
+                "module": self.modules[s].state_dict(),
+                "optimizer": opt.state_dict() if (opt := self.optimizers[s]) else {},
+            }
+            atomic_save(state, self.ckpt_dir / f"step-{step:06d}" / f"stage-{s}.pt")
+
+    def _publish_digests(self, step: int) -> None:
+        for s in self.placement.stages_of(self.rank):
+            if self.placement.replica[s] is not None:
+                digest = state_digest(self.modules[s], self.optimizers[s])
+                self.store.set(self._key("digest", step, s, "owner"), digest)
+        for s in self.placement.replicas_of(self.rank):
+            digest = state_digest(self.modules[s], self.optimizers[s])
+            self.store.set(self._key("digest", step, s, "replica"), digest)
+
+    def train(self) -> None:
+        self._checkpoint(0)
+        step = 0
+        while step < self.job.steps:
+            try:
+                if self.pg is None:
+                    self._connect()
+                started = time.perf_counter()
+                loss = self.run_step(step)
+                self._commit(step)
+            except PeerFailure as exc:
+                reason = str(exc)
+            else:
+                for s, opt in self.optimizers.items():
+                    if opt is not None:
+                        opt.step()
+                    self.modules[s].zero_grad(set_to_none=True)
+                self.frc_cache.clear()
+                if loss is not None:
+                    self.store.set(self._key("loss", step), repr(loss))
+                    self.store.set(self._key("time", step), repr(time.perf_counter() - started))
+                if self.job.verify_replicas:
+                    self._publish_digests(step)
+                step += 1
+                if self.job.checkpoint_every and step % self.job.checkpoint_every == 0:
+                    self._checkpoint(step)
+                continue
+            # Drop every reference to the broken group: its destructor closes the sockets,
+            # which wakes any peer still blocked on this rank ("Connection closed by peer").
+            self.pending = []
+            self.pg = None
+            step = self._rendezvous(step, reason)
+        if self.job.checkpoint_every == 0 or self.job.steps % self.job.checkpoint_every:
+            self._checkpoint(self.job.steps)  # the final weights, for whoever launched us
+        self.store.set(self._key("finished", self.rank), "1")
+
+
+def run_worker(
+    job_json: str, rank: int, port: int, faults_json: str = "[]", host: str = "127.0.0.1"
+) -> None:
+    """Entry point of one worker process (forked or started with ``python -m``)."""
+    torch.set_num_threads(1)
+
+    job = PipelineJob.from_json(job_json)
+    faults = [Fault(**f) for f in json.loads(faults_json)]
+    timeout = datetime.timedelta(seconds=max(30.0, job.failure_timeout))
+    store = PrefixStore("run", TCPStore(host, port, is_master=False, timeout=timeout))
+
+    def leave(signum: int, frame: object) -> None:
+        # A preemption notice: this node leaves; the others carry on without it.
+        store.set(f"dead/{rank}", "preempted (SIGTERM)")
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    Worker(job, rank, store, faults).train()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one redundant-pipeline worker")
+    parser.add_argument("--job", required=True, help="job JSON file")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--faults", default="[]", help="JSON list of Fault dicts")
+    args = parser.parse_args(argv)
+    run_worker(Path(args.job).read_text(), args.rank, args.port, args.faults, args.host)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
