@@ -1,0 +1,495 @@
+"""stalwart's shrunken checkpoints against four baselines, trained side by side with restores.
+
+For each workload (a CNN on scikit-learn digits; a character-level transformer on Python
+standard-library source), five runs train from the same initial weights with the same seeds, saving
+a checkpoint every epoch, each in its own format:
+
+1. ``torch.save`` (plain ``ModelCheckpoint``; the uncompressed reference run),
+2. ``torch.save`` + zstd (lossless),
+3. QD-style uniform 8-bit quantization + delta of the codes + zstd,
+4. Check-N-Run-style adaptive uniform quantization (fewest of 2/3/4/8 bits within an L2 bound),
+5. stalwart ``ShrinkCheckpoint`` (tau=0.05, keyframe every 10).
+
+Training runs in segments: after each segment a NEW Trainer, a freshly built model and a fresh
+checkpoint IO resume from the latest checkpoint that method wrote, so the lossy methods continue
+from their compressed weights (>= 5 restores per run in the full setting). Segments of the five
+methods are interleaved (rotating order) so that load on a shared machine hits all of them alike.
+
+Per method the table reports: the cumulative weight ratio (sum of raw weight bytes / sum of stored
+weight bytes over all checkpoints), the whole-checkpoint ratio (weights + optimizer + loop state),
+the single-snapshot weight ratio (the worst keyframe; every checkpoint of non-delta methods is one),
+the final metric of the trained model and of the model restored from the last checkpoint, its
+relative degradation against torch.save, total compression seconds (stalwart's include its
+configuration search) and mean restore seconds (reading + decoding the checkpoint inside
+``trainer.fit(ckpt_path=...)``).
+
+Run::
+
+    .venv/bin/python benchmarks/shrink_vs_baselines.py            # full, ~10-15 min on 2 cores
+    .venv/bin/python benchmarks/shrink_vs_baselines.py --quick    # smoke run, ~1-2 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from char_lm import CharTransformer, StdlibTextDataModule, encode, stdlib_corpus  # noqa: E402
+from digits_cnn import DigitsCNN, DigitsCNNDataModule  # noqa: E402
+from shrink_baselines import (  # noqa: E402
+    AdaptiveUniformIO,
+    MeasuredCheckpointIO,
+    TorchSaveIO,
+    UniformDeltaIO,
+    ZstdTorchSaveIO,
+)
+
+from stalwart.callbacks.shrink import ShrinkCheckpoint  # noqa: E402
+from stalwart.plugins.shrink_io import ShrinkCheckpointIO  # noqa: E402
+
+METHODS = ("torch.save", "torch.save+zstd", "QD-style", "CNR-style", "stalwart")
+REFERENCE = "torch.save"
+TOLERANCE = 0.01  # "equal" final metric: within 1% (relative), the issue's bound
+TEST_CHARS = 40_000
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --- workloads ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    """A model + data + metric, trained for ``epochs`` in segments of ``segment`` epochs."""
+
+    name: str
+    epochs: int
+    segment: int
+    make_model: Callable[[], L.LightningModule]
+    datamodule: L.LightningDataModule
+    metric: Callable[[L.LightningModule], float]
+    metric_name: str
+    higher_is_better: bool
+    # A second, finer or fully unseen measure, printed under the table.
+    extra_metric: Callable[[L.LightningModule], float] | None = None
+    extra_name: str = ""
+
+    def boundaries(self) -> list[int]:
+        """Epoch counts at which each segment ends."""
+        ends = list(range(self.segment, self.epochs, self.segment))
+        return [*ends, self.epochs]
+
+
+def digits_workload(quick: bool) -> Workload:
+    epochs = 4 if quick else 15
+    datamodule = DigitsCNNDataModule(seed=0)
+    datamodule.setup()
+
+    x, y = datamodule.test.tensors
+
+    @torch.no_grad()
+    def test_accuracy(model: L.LightningModule) -> float:
+        model.eval()
+        return float((model(x).argmax(-1) == y).float().mean())
+
+    @torch.no_grad()
+    def test_loss(model: L.LightningModule) -> float:
+        model.eval()
+        return float(torch.nn.functional.cross_entropy(model(x), y))
+
+    return Workload(
+        name="digits CNN",
+        epochs=epochs,
+        segment=1 if quick else 2,
+        make_model=lambda: DigitsCNN(max_epochs=epochs),
+        datamodule=datamodule,
+        metric=test_accuracy,
+        metric_name="test acc",
+        higher_is_better=True,
+        extra_metric=test_loss,
+        extra_name="test loss (nats, 180 images)",
+    )
+
+
+def char_workload(quick: bool) -> Workload:
+    datamodule = StdlibTextDataModule(seed=0, batches_per_epoch=20 if quick else 100)
+    datamodule.setup()
+    # Unseen text: the characters right after the corpus (stalwart's search scores candidates on
+    # validation batches, so validation bpc is not fully independent of its choices).
+    block = datamodule.block_size
+    unseen = encode(stdlib_corpus(datamodule.num_chars + TEST_CHARS)[datamodule.num_chars :])
+    starts = torch.arange((len(unseen) - 1) // block) * block
+    windows = unseen[starts[:, None] + torch.arange(block + 1)]
+    test_batches = [(w[:, :-1], w[:, 1:]) for w in windows.split(datamodule.val_batch_size)]
+
+    @torch.no_grad()
+    def bpc(model: L.LightningModule, batches) -> float:
+        # Every window, weighted by its characters: exact bits per character.
+        model.eval()
+        total, count = 0.0, 0
+        for x, y in batches:
+            logits = model(x)
+            total += float(
+                torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
+                )
+            )
+            count += y.numel()
+        return total / count / math.log(2)
+
+    return Workload(
+        name="char transformer",
+        epochs=3 if quick else 12,
+        segment=1 if quick else 2,
+        make_model=lambda: CharTransformer(datamodule.vocab_size, block_size=datamodule.block_size),
+        datamodule=datamodule,
+        metric=lambda model: bpc(model, datamodule.val_dataloader()),
+        metric_name="val bpc",
+        higher_is_better=False,
+        extra_metric=lambda model: bpc(model, test_batches),
+        extra_name=f"bpc on {TEST_CHARS // 1000}k unseen stdlib characters",
+    )
+
+
+# --- one method's run -----------------------------------------------------------------------------
+
+
+@dataclass
+class Saved:
+    """One checkpoint, in a method-independent form."""
+
+    kind: str
+    weight_bytes: int
+    weight_stored: int
+    total_bytes: int
+    total_stored: int
+    seconds: float
+    search_seconds: float = 0.0
+    detail: str = ""
+
+
+@dataclass
+class Run:
+    """One method's training run: its directory, checkpoints, restores and timings."""
+
+    method: str
+    directory: Path
+    saves: list[Saved] = field(default_factory=list)
+    restore_seconds: list[float] = field(default_factory=list)
+    fit_seconds: float = 0.0
+    latest: Path | None = None
+    final_metric: float = float("nan")
+    checkpoint_metric: float = float("nan")
+    extra_metric: float = float("nan")
+
+    def make_io(self, cnr_threshold: float) -> MeasuredCheckpointIO | None:
+        return {
+            "torch.save": TorchSaveIO,
+            "torch.save+zstd": ZstdTorchSaveIO,
+            "QD-style": UniformDeltaIO,
+            "CNR-style": lambda: AdaptiveUniformIO(threshold=cnr_threshold),
+            "stalwart": lambda: None,
+        }[self.method]()
+
+
+def _timed(function: Callable, sink: list[float]) -> Callable:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            sink.append(time.perf_counter() - start)
+
+    return wrapper
+
+
+def quiet_trainer(max_epochs: int, callbacks: list, plugins: list) -> L.Trainer:
+    return L.Trainer(
+        max_epochs=max_epochs,
+        callbacks=callbacks,
+        plugins=plugins or None,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+    )
+
+
+def fit_segment(
+    run: Run, workload: Workload, end: int, segment: int, seed: int, cnr_threshold: float
+) -> L.LightningModule:
+    """Train ``run`` to ``end`` epochs, resuming (new Trainer, new model) from its latest file."""
+    L.seed_everything(seed, verbose=False)
+    model = workload.make_model()  # same initial weights for every method; replaced on resume
+    io = run.make_io(cnr_threshold)
+    if io is None:
+        checkpoint = ShrinkCheckpoint(
+            dirpath=str(run.directory), tau=0.05, keyframe_every=10, filename="{epoch:03d}"
+        )
+        checkpoint.io.load_checkpoint = _timed(checkpoint.io.load_checkpoint, run.restore_seconds)
+        plugins: list = []
+    else:
+        checkpoint = ModelCheckpoint(
+            dirpath=str(run.directory), filename="{epoch:03d}", every_n_epochs=1, save_top_k=-1
+        )
+        plugins = [io]
+    trainer = quiet_trainer(end, [checkpoint], plugins)
+    # Every method's segment starts from the same RNG state: only the checkpoint differs.
+    L.seed_everything(seed * 1000 + segment + 1, verbose=False)
+    start = time.perf_counter()
+    trainer.fit(model, workload.datamodule, ckpt_path=None if run.latest is None else run.latest)
+    run.fit_seconds += time.perf_counter() - start
+    if io is None:
+        for report in checkpoint.reports:
+            config = report.config
+            run.saves.append(
+                Saved(
+                    kind=report.kind,
+                    weight_bytes=report.weight_bytes,
+                    weight_stored=report.weight_stored,
+                    total_bytes=report.total_bytes,
+                    total_stored=report.total_stored,
+                    seconds=report.seconds,
+                    search_seconds=report.search_seconds,
+                    detail="lossless" if config is None else
+                    f"{config.bins}b/p{config.prune:g}{config.prune_metric[0]}/"
+                    f"k{config.protect:g}",
+                )
+            )  # fmt: skip
+    else:
+        run.restore_seconds.extend(io.load_seconds)
+        for record in io.saves:
+            run.saves.append(
+                Saved(
+                    kind=record.kind,
+                    weight_bytes=record.weight_bytes,
+                    weight_stored=record.weight_stored,
+                    total_bytes=record.total_bytes,
+                    total_stored=record.total_stored,
+                    seconds=record.seconds,
+                    detail=str(record.detail.get("bits", "")),
+                )
+            )
+    run.latest = run.directory / f"epoch={end - 1:03d}.ckpt"
+    if not run.latest.exists():
+        raise RuntimeError(f"{run.method}: expected checkpoint {run.latest} was not written")
+    return model
+
+
+def metric_from_checkpoint(run: Run, workload: Workload, cnr_threshold: float) -> float:
+    """The metric of a fresh model loaded from the run's last checkpoint (what a user restores)."""
+    io = run.make_io(cnr_threshold)
+    if io is None:
+        io = ShrinkCheckpointIO()
+    checkpoint = io.load_checkpoint(run.latest)
+    model = workload.make_model()
+    model.load_state_dict(checkpoint["state_dict"])
+    return workload.metric(model)
+
+
+# --- the table ------------------------------------------------------------------------------------
+
+
+def degradation(value: float, reference: float, higher_is_better: bool) -> float:
+    """Relative degradation against the reference; positive = worse."""
+    change = (reference - value) if higher_is_better else (value - reference)
+    return change / abs(reference)
+
+
+@dataclass
+class Row:
+    method: str
+    weight_ratio: float
+    total_ratio: float
+    snapshot_ratio: float
+    final_metric: float
+    checkpoint_metric: float
+    degradation: float
+    compress_seconds: float
+    search_seconds: float
+    restore_seconds: float
+    fit_seconds: float
+    checkpoints: int
+    restores: int
+
+
+def summarise(run: Run, workload: Workload, reference: float) -> Row:
+    snapshots = [s for s in run.saves if s.kind != "delta"]
+    return Row(
+        method=run.method,
+        weight_ratio=sum(s.weight_bytes for s in run.saves)
+        / sum(s.weight_stored for s in run.saves),
+        total_ratio=sum(s.total_bytes for s in run.saves) / sum(s.total_stored for s in run.saves),
+        snapshot_ratio=min(s.weight_bytes / s.weight_stored for s in snapshots),
+        final_metric=run.final_metric,
+        checkpoint_metric=run.checkpoint_metric,
+        degradation=degradation(run.final_metric, reference, workload.higher_is_better),
+        compress_seconds=sum(s.seconds for s in run.saves),
+        search_seconds=sum(s.search_seconds for s in run.saves),
+        restore_seconds=statistics.mean(run.restore_seconds) if run.restore_seconds else 0.0,
+        fit_seconds=run.fit_seconds,
+        checkpoints=len(run.saves),
+        restores=len(run.restore_seconds),
+    )
+
+
+def print_table(workload: Workload, rows: list[Row]) -> None:
+    metric = workload.metric_name
+    header = (
+        f"| method | weight ratio (cumulative) | whole-ckpt ratio | snapshot weight ratio (min) "
+        f"| final {metric} | {metric} from last ckpt | degradation vs torch.save (+ = worse) "
+        f"| compression s (total) | restore s (mean) |"
+    )
+    print(f"\n### {workload.name}: {rows[0].checkpoints} checkpoints, {rows[0].restores} restores "
+          f"per method, {workload.epochs} epochs\n")  # fmt: skip
+    print(header)
+    print("|" + "---|" * header.count(" | ") + "---|")
+    for row in rows:
+        print(
+            f"| {row.method} | {row.weight_ratio:.2f}x | {row.total_ratio:.2f}x "
+            f"| {row.snapshot_ratio:.2f}x | {row.final_metric:.4f} | {row.checkpoint_metric:.4f} "
+            f"| {row.degradation:+.2%} | {row.compress_seconds:.2f} | {row.restore_seconds:.3f} |"
+        )
+
+
+def verdict(workload: Workload, rows: list[Row], runs: dict[str, Run]) -> bool:
+    """Print the claim as computed PASS/FAIL lines; True when it holds."""
+    ours = next(row for row in rows if row.method == "stalwart")
+    passed = True
+    for row in rows:
+        if row.method == "stalwart":
+            continue
+        beats_ratio = ours.weight_ratio > row.weight_ratio and ours.total_ratio > row.total_ratio
+        # "Equal or better" metric: at most TOLERANCE (relative) worse than this baseline.
+        metric_ok = ours.degradation <= row.degradation + TOLERANCE
+        passed &= beats_ratio and metric_ok
+        print(
+            f"  vs {row.method}: weight ratio {ours.weight_ratio:.2f}x vs {row.weight_ratio:.2f}x, "
+            f"whole {ours.total_ratio:.2f}x vs {row.total_ratio:.2f}x, degradation "
+            f"{ours.degradation:+.2%} vs {row.degradation:+.2%} -> "
+            f"{'ok' if beats_ratio and metric_ok else 'NOT MET'}"
+        )
+    print(
+        f"{'PASS' if passed else 'FAIL'} [{workload.name}]: stalwart beats every baseline's ratio "
+        f"(weights and whole checkpoint) at equal or better final {workload.metric_name} "
+        f"(equal = within {TOLERANCE:.0%} relative)"
+    )
+    issue = (
+        ours.weight_ratio >= 20
+        and ours.snapshot_ratio >= 8
+        and ours.degradation <= TOLERANCE
+        and ours.checkpoints >= 10
+        and ours.restores >= 5
+    )
+    print(
+        f"{'PASS' if issue else 'FAIL'} [{workload.name}] must-show 2: cumulative weight ratio "
+        f"{ours.weight_ratio:.2f}x (>= 20), snapshot {ours.snapshot_ratio:.2f}x (>= 8), final "
+        f"{workload.metric_name} {ours.final_metric:.4f} vs {runs[REFERENCE].final_metric:.4f} "
+        f"uncompressed ({ours.degradation:+.2%}, <= +1%), {ours.checkpoints} checkpoints (>= 10), "
+        f"{ours.restores} restores (>= 5)"
+    )
+    configs = [s.detail for s in runs["stalwart"].saves]
+    cnr_bits = [s.detail for s in runs["CNR-style"].saves]
+    print(f"  stalwart configs per checkpoint (bins/prune+metric/protect): {' '.join(configs)}")
+    ratios = " ".join(f"{s.weight_bytes / s.weight_stored:.1f}" for s in runs["stalwart"].saves)
+    print(f"  stalwart weight ratio per checkpoint: {ratios}")
+    print(f"  stalwart search seconds (inside compression s): {ours.search_seconds:.2f}")
+    print(f"  CNR-style bit widths (bits: tensors) first/last: {cnr_bits[0]} / {cnr_bits[-1]}")
+    if workload.extra_metric is not None:
+        extras = ", ".join(f"{name} {run.extra_metric:.4f}" for name, run in runs.items())
+        print(f"  final {workload.extra_name}: {extras}")
+    fits = ", ".join(f"{row.method} {row.fit_seconds:.1f}" for row in rows)
+    print(f"  fit seconds incl. checkpointing (shared 2-core machine): {fits}")
+    return passed
+
+
+def run_workload(workload: Workload, root: Path, seed: int, cnr_threshold: float) -> bool:
+    runs = {method: Run(method, root / method.replace("+", "_")) for method in METHODS}
+    ends = workload.boundaries()
+    models: dict[str, L.LightningModule] = {}
+    for index, end in enumerate(ends):
+        order = METHODS[index % len(METHODS) :] + METHODS[: index % len(METHODS)]
+        for method in order:
+            start = time.perf_counter()
+            models[method] = fit_segment(runs[method], workload, end, index, seed, cnr_threshold)
+            progress(
+                f"[{workload.name}] segment {index + 1}/{len(ends)} (to epoch {end}) {method}: "
+                f"{time.perf_counter() - start:.1f}s, {len(runs[method].saves)} checkpoints"
+            )
+    for method, run in runs.items():
+        run.final_metric = workload.metric(models[method])
+        run.checkpoint_metric = metric_from_checkpoint(run, workload, cnr_threshold)
+        if workload.extra_metric is not None:
+            run.extra_metric = workload.extra_metric(models[method])
+    reference = runs[REFERENCE].final_metric
+    rows = [summarise(runs[method], workload, reference) for method in METHODS]
+    print_table(workload, rows)
+    return verdict(workload, rows, runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short smoke run")
+    parser.add_argument("--workload", choices=("digits", "char", "both"), default="both")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--cnr-threshold",
+        type=float,
+        default=0.1,
+        help="CNR-style: largest relative L2 error per tensor (picks the fewest bits within it)",
+    )
+    parser.add_argument("--keep", type=Path, default=None, help="write checkpoints here and keep")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    workloads = []
+    if args.workload in ("digits", "both"):
+        workloads.append(digits_workload(args.quick))
+    if args.workload in ("char", "both"):
+        workloads.append(char_workload(args.quick))
+    root = args.keep or Path(tempfile.mkdtemp(prefix="shrink-bench-"))
+    start = time.perf_counter()
+    results = []
+    try:
+        for workload in workloads:
+            directory = root / workload.name.replace(" ", "_")
+            if directory.exists():
+                shutil.rmtree(directory)
+            results.append(run_workload(workload, directory, args.seed, args.cnr_threshold))
+    finally:
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+    print(
+        f"\nOVERALL {'PASS' if all(results) else 'FAIL'} ({len(results)} workload(s), "
+        f"{time.perf_counter() - start:.0f}s wall)"
+    )
+
+
+if __name__ == "__main__":
+    main()
