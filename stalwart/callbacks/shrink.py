@@ -10,10 +10,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from stalwart.errors import ConfigurationError
-from stalwart.hindsight.rng import capture_rng, restore_rng
 from stalwart.plugins.shrink_io import ShrinkCheckpointIO, ShrinkRequest
 from stalwart.shrink.api import ShrinkReport
+from stalwart.shrink.gradients import GradientEMA
 from stalwart.shrink.partition import layer_types_of
+from stalwart.shrink.scoring import first_batches, live_evaluator
 from stalwart.shrink.search import ConfigSearch
 
 
@@ -91,7 +92,7 @@ class ShrinkCheckpoint(ModelCheckpoint):
         self.grad_window = grad_window
         self.grad_beta = grad_beta
         self.search = ConfigSearch(tau)
-        self._ema: dict[str, torch.Tensor] = {}
+        self.ema = GradientEMA(grad_beta)
         self._held_out: list[Any] | None = None
         self._batch_idx = 0
 
@@ -131,19 +132,8 @@ class ShrinkCheckpoint(ModelCheckpoint):
         return total == float("inf") or total - self._batch_idx <= self.grad_window
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._in_window(trainer):
-            return
-        with torch.no_grad():
-            for name, parameter in pl_module.named_parameters():
-                if parameter.grad is None:
-                    continue
-                # Copied off the device (non-blocking) so the step does not wait for it.
-                grad = parameter.grad.detach().to("cpu", non_blocking=True)
-                ema = self._ema.get(name)
-                if ema is None:
-                    self._ema[name] = grad.clone()
-                else:
-                    ema.mul_(1.0 - self.grad_beta).add_(grad, alpha=self.grad_beta)
+        if self._in_window(trainer):
+            self.ema.update(pl_module.named_parameters())
 
     # --- the save itself ---------------------------------------------------------------------
 
@@ -151,12 +141,11 @@ class ShrinkCheckpoint(ModelCheckpoint):
         module = trainer.lightning_module
         request = ShrinkRequest(
             evaluate=self._evaluator(trainer, module),
-            gradients=dict(self._ema) or None,
+            gradients=self.ema.take(),
             layer_types=layer_types_of(module),
             search=self.search,
         )
         trainer.save_checkpoint(filepath, self.save_weights_only, storage_options=request)
-        self._ema = {}
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
         if trainer.is_global_zero:
@@ -166,27 +155,10 @@ class ShrinkCheckpoint(ModelCheckpoint):
     def _evaluator(
         self, trainer: pl.Trainer, module: pl.LightningModule
     ) -> Callable[[Mapping[str, torch.Tensor]], float]:
-        batches = None if self.evaluate is not None else self._held_out_batches(trainer, module)
-        original = {name: t.detach().clone() for name, t in module.state_dict().items()}
-
-        def evaluate(state_dict: Mapping[str, torch.Tensor]) -> float:
-            # Score a candidate inside the live module, leaving no trace in training: weights,
-            # train/eval mode and every RNG come back exactly as they were.
-            rng = capture_rng()
-            was_training = module.training
-            module.load_state_dict(state_dict)
-            module.eval()
-            try:
-                with torch.no_grad():
-                    if self.evaluate is not None:
-                        return float(self.evaluate(module))
-                    return self._mean_loss(module, batches)
-            finally:
-                module.load_state_dict(original)
-                module.train(was_training)
-                restore_rng(rng)
-
-        return evaluate
+        if self.evaluate is not None:
+            return live_evaluator(module, self.evaluate)
+        batches = self._held_out_batches(trainer, module)
+        return live_evaluator(module, lambda scored: self._mean_loss(scored, batches))
 
     @staticmethod
     def _mean_loss(module: pl.LightningModule, batches: list[Any]) -> float:
@@ -215,15 +187,8 @@ class ShrinkCheckpoint(ModelCheckpoint):
                 "ShrinkCheckpoint scores candidates on validation batches, but this fit has no "
                 "validation dataloader; add one or pass evaluate=lambda module: <held-out loss>."
             )
-        rng = capture_rng()  # iterating a shuffling loader must not shift training's randomness
-        batches = []
-        for batch in loaders:
-            batches.append(trainer.strategy.batch_to_device(batch))
-            if len(batches) == self.eval_batches:
-                break
-        restore_rng(rng)
-        self._held_out = batches
-        return batches
+        self._held_out = first_batches(loaders, self.eval_batches, trainer.strategy.batch_to_device)
+        return self._held_out
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

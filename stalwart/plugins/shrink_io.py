@@ -2,36 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
-from stalwart.errors import ConfigurationError
-from stalwart.hindsight.checkpoint_file import temp_path_for
-from stalwart.shrink.api import ShrinkReport, load_with_extra, save
+from stalwart.shrink.api import ShrinkReport
+from stalwart.shrink.chain import OPTIMIZER_MODES, RETIRED_FILE, ChainWriter, ShrinkRequest
 from stalwart.shrink.codec import ChainState
-from stalwart.shrink.container import is_shrunk_file, read_header
+from stalwart.shrink.container import is_shrunk_file
 from stalwart.shrink.partition import QuantConfig
-from stalwart.shrink.search import ConfigSearch
 
-OPTIMIZER_MODES = ("lossless", "lossy")
-RETIRED_FILE = ".shrink-retired.json"
-
-
-@dataclass
-class ShrinkRequest:
-    """What a caller (``ShrinkCheckpoint``) adds to one save: passed as ``storage_options``."""
-
-    evaluate: Callable[[Mapping[str, torch.Tensor]], float] | None = None
-    gradients: Mapping[str, torch.Tensor] | None = None
-    layer_types: Mapping[str, str] | None = None
-    search: ConfigSearch | None = None
+__all__ = ["OPTIMIZER_MODES", "RETIRED_FILE", "ShrinkCheckpointIO", "ShrinkRequest"]
 
 
 class ShrinkCheckpointIO(CheckpointIO):
@@ -71,20 +54,16 @@ class ShrinkCheckpointIO(CheckpointIO):
         coder: str = "zstd",
         delegate: CheckpointIO | None = None,
     ) -> None:
-        if keyframe_every < 1:
-            raise ConfigurationError(f"keyframe_every must be >= 1, got {keyframe_every}")
-        if compress_optimizer not in OPTIMIZER_MODES:
-            raise ConfigurationError(
-                f"compress_optimizer must be one of {OPTIMIZER_MODES}, got {compress_optimizer!r}"
-            )
-        self.tau = tau
-        self.config = config
-        self.keyframe_every = keyframe_every
-        self.compress_optimizer = compress_optimizer
-        self.coder = coder
+        self.writer = ChainWriter(tau, config, keyframe_every, compress_optimizer, coder)
         self.delegate = delegate
-        self.chain: ChainState | None = None
-        self.reports: list[ShrinkReport] = []
+
+    @property
+    def chain(self) -> ChainState | None:
+        return self.writer.chain
+
+    @property
+    def reports(self) -> list[ShrinkReport]:
+        return self.writer.reports
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None
@@ -92,36 +71,10 @@ class ShrinkCheckpointIO(CheckpointIO):
         if not isinstance(storage_options, ShrinkRequest) and self.delegate is not None:
             self.delegate.save_checkpoint(checkpoint, path, storage_options)
             return
-        request = storage_options if isinstance(storage_options, ShrinkRequest) else ShrinkRequest()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        request = storage_options if isinstance(storage_options, ShrinkRequest) else None
         weights = checkpoint["state_dict"]
         extra = {key: value for key, value in checkpoint.items() if key != "state_dict"}
-        previous = self.chain
-        if previous is not None and (
-            previous.position + 1 >= self.keyframe_every
-            or not previous.path.exists()
-            or previous.path.resolve() == path.resolve()
-            or {n: tuple(t.shape) for n, t in weights.items()} != previous.shapes
-        ):
-            previous = None
-        report = save(
-            weights,
-            path,
-            previous=previous,
-            evaluate=request.evaluate,
-            tau=self.tau,
-            gradients=request.gradients,
-            config=self.config if request.evaluate is None else None,
-            search=request.search,
-            layer_types=request.layer_types,
-            extra=extra,
-            lossy_extra=self.compress_optimizer == "lossy",
-            coder=self.coder,
-        )
-        self.chain = report.chain
-        self.reports.append(report)
-        self._collect_retired(path.parent)
+        self.writer.save(weights, extra, path, request)
 
     def load_checkpoint(
         self, path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None
@@ -129,11 +82,10 @@ class ShrinkCheckpointIO(CheckpointIO):
         if not is_shrunk_file(path):
             fallback = self.delegate or TorchCheckpointIO()
             return fallback.load_checkpoint(path, map_location=map_location)
-        weights, extra, chain = load_with_extra(path)
+        # A resumed fit continues the chain it was restored from.
+        weights, extra = self.writer.load(path)
         checkpoint = dict(extra or {})
         checkpoint["state_dict"] = weights
-        # A resumed fit continues the chain it was restored from.
-        self.chain = chain
         return checkpoint
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
@@ -141,42 +93,4 @@ class ShrinkCheckpointIO(CheckpointIO):
         if not is_shrunk_file(path):
             (self.delegate or TorchCheckpointIO()).remove_checkpoint(path)
             return
-        retired = self._retired(path.parent)
-        retired.add(path.name)
-        self._write_retired(path.parent, retired)
-        self._collect_retired(path.parent)
-
-    def _retired(self, directory: Path) -> set[str]:
-        try:
-            return set(json.loads((directory / RETIRED_FILE).read_text()))
-        except (FileNotFoundError, ValueError):
-            return set()
-
-    def _write_retired(self, directory: Path, names: set[str]) -> None:
-        target = directory / RETIRED_FILE
-        temp = temp_path_for(target)
-        temp.write_text(json.dumps(sorted(names)))
-        os.replace(temp, target)
-
-    def _collect_retired(self, directory: Path) -> None:
-        """Delete retired files that no live file depends on, directly or through others."""
-        retired = self._retired(directory)
-        if not retired:
-            return
-        bases: dict[str, str | None] = {}
-        for candidate in directory.iterdir():
-            header = read_header(candidate) if candidate.is_file() else None
-            if header is not None:
-                base = header.get("base")
-                bases[candidate.name] = None if base is None else Path(base["file"]).name
-        needed: set[str] = set()
-        live = [name for name in bases if name not in retired]
-        if self.chain is not None:
-            live.append(self.chain.path.name)
-        for name in live:
-            while name is not None and name not in needed:
-                needed.add(name)
-                name = bases.get(name)
-        for name in sorted(retired - needed):
-            (directory / name).unlink(missing_ok=True)
-        self._write_retired(directory, retired & needed)
+        self.writer.remove(path)

@@ -1,0 +1,420 @@
+"""Hindsight logging (Flor) for MosaicML Composer: the ``Hindsight`` algorithm and ``replay``.
+
+Recording is :class:`stalwart.hindsight.recorder.Recorder`, the same loop
+:class:`~stalwart.HindsightCallback` runs in Lightning: the Joint Invariant policy, the fork
+materializer, the SQLite store. This module only translates Composer events into it. A checkpoint
+is Composer's own (``{"state": state.state_dict(), "rng": ...}``, RNG and timestamp included), so
+``Trainer(load_path=...)`` resumes from it exactly. Method card: ``hindsight.md`` beside this file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import io
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import composer
+import torch
+from composer.core import Algorithm, Callback, Event, State
+from composer.loggers import Logger, LoggerDestination
+from composer.trainer import Trainer
+from composer.utils import reproducibility
+
+from stalwart.errors import ConfigurationError, ReplayError
+from stalwart.hindsight import replay as core
+from stalwart.hindsight.checkpoint_file import verify_checkpoint
+from stalwart.hindsight.fingerprint import hook_fingerprints
+from stalwart.hindsight.materializer import tensor_bytes
+from stalwart.hindsight.plan import INNER, Segment
+from stalwart.hindsight.recorder import Recorder, RecordOptions
+from stalwart.hindsight.replay import ReplayResult
+from stalwart.hindsight.store import CheckpointEntry, HindsightStore
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+log = logging.getLogger(__name__)
+
+#: Set while ``replay`` builds and runs trainers: a ``Hindsight`` made then records nothing.
+_REPLAYING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "stalwart_replaying", default=False
+)
+
+
+class StoreDestination(LoggerDestination):
+    """A Composer logger destination that writes every ``log_metrics`` value to the store.
+
+    Rows are tagged with the training epoch they belong to (values logged by epoch-end evaluation
+    belong to the epoch that just ended, although Composer's timestamp has moved on) and buffered
+    until :meth:`flush`.
+
+    Args:
+        store: where rows go.
+        run_id: the run they belong to.
+        source: ``"record"`` or ``"replay"``.
+        replay_id: tags replayed rows.
+        keep: which epochs' values to keep.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        replay_id: str | None = None,
+        keep: Callable[[int], bool] = lambda epoch: True,
+    ) -> None:
+        self.store: HindsightStore | None = None
+        self.run_id: int | None = None
+        self.source = source
+        self.replay_id = replay_id
+        self.keep = keep
+        #: The epoch being trained; set at EPOCH_START by the algorithm that owns the destination.
+        self.epoch = 0
+        self.step = 0
+        self.hook: str | None = None
+        #: Between an epoch's checkpoint event and the next epoch (or the end of the fit).
+        self.between_epochs = False
+        #: Called when the Trainer shuts down (normally, on an error, or at interpreter exit).
+        self.on_close: Callable[[], None] = lambda: None
+        self._pending: list[tuple] = []
+
+    def open(self, store: HindsightStore, run_id: int) -> None:
+        self.store = store
+        self.run_id = run_id
+
+    def run_event(self, event: Event, state: State, logger: Logger) -> None:
+        # The destination is also the *last* callback, so this runs after every other callback
+        # has handled the epoch's checkpoint event: what is logged from here until the next
+        # epoch (Composer's end-of-fit counters) belongs to no trained epoch of this fit.
+        if event == Event.EPOCH_CHECKPOINT:
+            self.between_epochs = True
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        epoch = self.epoch + 1 if self.between_epochs else self.epoch
+        if self.run_id is None or not self.keep(epoch):
+            return
+        for name, value in metrics.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.detach()
+            elif not isinstance(value, (int, float)):
+                continue  # images, tables, histograms: not a series of numbers
+            self._pending.append(
+                (self.run_id, epoch, self.step if step is None else step, name, value,
+                 self.hook, self.source, self.replay_id)
+            )  # fmt: skip
+
+    def flush(self) -> None:
+        if not self._pending or self.store is None:
+            return
+        rows = [(*row[:4], float(row[4]), *row[5:]) for row in self._pending]
+        self._pending.clear()
+        self.store.add_metrics(rows)
+
+    def close(self, state: State, logger: Logger) -> None:
+        self.on_close()
+
+    def track(self, event: Event, state: State) -> None:
+        """Follow the loop: which epoch and event logged values belong to."""
+        self.hook = event.value
+        self.step = int(state.timestamp.batch)
+        if event == Event.EPOCH_START:
+            self.epoch = int(state.timestamp.epoch)
+            self.between_epochs = False
+
+
+def _attach(state: State, logger: Logger, destination: StoreDestination) -> None:
+    """Receive every logged value, and every event after all other callbacks."""
+    if destination not in logger.destinations:
+        logger.destinations = (*logger.destinations, destination)
+    if destination not in state.callbacks:
+        state.callbacks.append(destination)
+
+
+def composer_checkpoint(state: State) -> dict:
+    """The object Composer's own checkpointing saves, so ``load_path`` reads it as its own."""
+    return {"state": state.state_dict(), "rng": reproducibility.get_rng_state()}
+
+
+class Hindsight(Algorithm):
+    """Record a Composer run for hindsight logging: every logged value, plus adaptive checkpoints.
+
+    At each epoch checkpoint event the algorithm measures the epoch's compute time and asks Flor's
+    Joint Invariant whether a checkpoint keeps the record overhead under ``epsilon``; the state
+    (Composer's full checkpoint: model, optimizers, schedulers, timestamp, RNG) is written by a
+    forked child. Every ``logger.log_metrics`` value goes to ``dirpath/hindsight.db``. Later,
+    :func:`replay` runs new probes (Composer callbacks) over the recorded epochs.
+
+    Args:
+        dirpath: the run directory (created if missing). Each ``fit`` adds a run to it.
+        epsilon: record overhead budget, a fraction in (0, 1); default 1/15 (6.67%).
+        materializer: ``"fork"`` (background writes, default) or ``"inline"``.
+        restore_ratio: expected restore/materialize cost ratio ``c`` of the policy.
+
+    Example::
+
+        from composer import Trainer
+        from stalwart.algorithms import Hindsight
+
+        trainer = Trainer(model=model, train_dataloader=train, max_duration="10ep",
+                          algorithms=[Hindsight(dirpath="runs")])
+        trainer.fit()
+        stalwart.hindsight.open("runs").run().metrics("loss/train/total")
+    """
+
+    def __init__(
+        self, dirpath: str | os.PathLike = "runs", **options: Unpack[RecordOptions]
+    ) -> None:
+        self.recorder = Recorder(dirpath, name="Hindsight", **options)
+        #: Whether the Trainer this instance joined records; a Trainer built by ``replay`` does
+        #: not (the instance then only tells replay where the record is).
+        self.passive = False
+        self._destination = StoreDestination("record")
+        # A fit that raised never reaches FIT_END: its run is closed as failed, with every
+        # pending checkpoint written, when Composer shuts the Trainer down.
+        self._destination.on_close = lambda: self._finish("failed")
+        self._loaded: dict | None = None
+        self._first_epoch = True
+
+    @property
+    def dirpath(self):
+        return self.recorder.dirpath
+
+    def __repr__(self) -> str:
+        return f"Hindsight(dirpath={str(self.dirpath)!r}, epsilon={self.recorder.policy.epsilon})"
+
+    def match(self, event: Event, state: State) -> bool:
+        if event == Event.INIT:  # decided per Trainer: one instance may serve record and replay
+            self.passive = _REPLAYING.get()
+        if self.passive:
+            return False
+        self._destination.track(event, state)
+        return event in (
+            Event.INIT, Event.FIT_START, Event.EPOCH_START, Event.BATCH_END,
+            Event.EPOCH_CHECKPOINT, Event.FIT_END,
+        )  # fmt: skip
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        recorder = self.recorder
+        if event == Event.INIT:
+            _attach(state, logger, self._destination)
+        elif event == Event.FIT_START:
+            self._begin(state)
+        elif event == Event.EPOCH_START:
+            self._destination.track(event, state)
+            if self._first_epoch:
+                self._first_epoch = False
+                if int(state.timestamp.batch) == 0:
+                    # Taken here, not at FIT_START: Composer spins the dataloaders in between
+                    # (drawing from the RNG), and a resume restores the RNG after spinning.
+                    recorder.write_initial(lambda: composer_checkpoint(state), 0)
+                recorder.train_started()
+            recorder.epoch_started()
+        elif event == Event.BATCH_END:
+            recorder.batch_ended()
+        elif event == Event.EPOCH_CHECKPOINT:
+            step = int(state.timestamp.batch)
+            recorder.epoch_ended(
+                int(state.timestamp.epoch) - 1,
+                state_bytes=lambda: (
+                    tensor_bytes(state.model.state_dict())
+                    + tensor_bytes([optimizer.state_dict() for optimizer in state.optimizers])
+                ),
+                veto=lambda policy_says: self.should_checkpoint(state, policy_says),
+            )
+            recorder.materialize_due(lambda: composer_checkpoint(state), step)
+        elif event == Event.FIT_END:
+            self._finish("completed")
+
+    def _finish(self, status: str) -> None:
+        summary = self.recorder.finish(status)
+        if summary is not None:
+            log.info(summary)
+        self.recorder.close()
+
+    def should_checkpoint(self, state: State, policy_says: bool) -> bool:
+        """Override to force or veto checkpoints; by default the policy decides."""
+        return policy_says
+
+    def _begin(self, state: State) -> None:
+        model = state.model
+        run_id = self.recorder.begin(
+            hparams=dict(getattr(model, "hparams", {}) or {}),
+            fingerprints={"module": hook_fingerprints(model), "datamodule": {}},
+            config={
+                "framework": "composer",
+                "max_duration": str(state.max_duration),
+                "module_class": f"{type(model).__module__}.{type(model).__qualname__}",
+                "composer": composer.__version__,
+                "torch": torch.__version__,
+            },
+        )
+        self._destination.open(self.recorder.store, run_id)
+        self.recorder.flush_logs = self._destination.flush
+        if self._loaded is not None:
+            self.recorder.load_state_dict(self._loaded)
+            self._loaded = None
+        self._first_epoch = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "recorder": self.recorder.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Loading happens while the Trainer is built, before FIT_START begins the new run.
+        self._loaded = state.get("recorder")
+
+
+class _ReplayDriver(Algorithm):
+    """Runs inside one replay segment's Trainer: tags and stores what the probes log."""
+
+    def __init__(
+        self, segment: Segment, store_dir: str, run_id: int, replay_id: str, index: int
+    ) -> None:
+        self.segment = segment
+        self.index = index
+        self.replay_id = replay_id
+        self.run_id = run_id
+        self.store = HindsightStore(store_dir, create=True)
+        self.destination = StoreDestination(
+            "replay", replay_id, keep=segment.requested.__contains__
+        )
+        self.destination.open(self.store, run_id)
+        self.batch_epochs: list[int] = []
+        self._started = time.perf_counter()
+
+    def match(self, event: Event, state: State) -> bool:
+        self.destination.track(event, state)
+        return event in (Event.BATCH_START, Event.BATCH_END, Event.EPOCH_CHECKPOINT)
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        if event == Event.BATCH_START:
+            self.batch_epochs.append(self.destination.epoch)
+        else:
+            self.destination.flush()
+
+    def finish(self) -> None:
+        self.destination.flush()
+        self.store.add_replay_work(
+            self.replay_id, self.run_id, self.index, self.segment.resume_from,
+            self.segment.last_epoch, self.batch_epochs, time.perf_counter() - self._started,
+        )  # fmt: skip
+        self.store.close()
+
+
+@contextlib.contextmanager
+def _replaying() -> Iterator[None]:
+    token = _REPLAYING.set(True)
+    try:
+        yield
+    finally:
+        _REPLAYING.reset(token)
+
+
+def _probes(probe: Any) -> list[Callback]:
+    if probe is None:
+        return []
+    probes = [probe] if not isinstance(probe, Iterable) else list(probe)
+    for p in probes:
+        if not isinstance(p, Callback):
+            raise ConfigurationError(
+                f"probe {p!r} is not a Composer Callback: pass a composer.Callback whose event "
+                "methods call logger.log_metrics({...})."
+            )
+    return probes
+
+
+def _recorded_model_state(entry: CheckpointEntry) -> dict:
+    # Composer's checkpoints hold NumPy RNG state, which torch's weights-only loader refuses; the
+    # bytes are checked against the recorded CRC-32 first, so only our own file is unpickled.
+    data = verify_checkpoint(entry.path, entry.nbytes, entry.crc32)
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)["state"]["model"]
+
+
+def replay(
+    trainer_factory: Callable[..., Trainer],
+    *,
+    probe: Callback | Iterable[Callback] | None = None,
+    run: int | str | None = None,
+    epochs: Iterable[int] | None = None,
+    workers: int = 1,
+    dirpath: str | os.PathLike | None = None,
+) -> ReplayResult:
+    """Replay epochs of a recorded Composer run with new probes, from its checkpoints.
+
+    Composer cannot skip an epoch, so each segment of the plan resumes from the checkpoint before
+    it (``load_path``) and stops after its last epoch (``max_duration``); segments run in parallel
+    worker processes. Values the probes log go to the store as ``source="replay"``, and every
+    value the record logged is compared with the replayed one (the deferred check).
+
+    Args:
+        trainer_factory: builds the run's ``composer.Trainer``, as for recording, applying the
+            keyword arguments it is called with last (``load_path``, ``max_duration``,
+            ``save_folder``), e.g. ``lambda **kw: Trainer(**{**run_args, **kw})``.
+        probe: a Composer ``Callback`` (or several) logging with ``logger.log_metrics``.
+        run: run id or name in the record; default: the latest.
+        epochs: which recorded epochs to replay; default: all.
+        workers: parallel worker processes, each replaying a contiguous segment.
+        dirpath: the record's directory; default: that of the factory's ``Hindsight``.
+
+    Example::
+
+        def make_trainer(**overrides):
+            return Trainer(**{**run_args, "algorithms": [Hindsight("runs")], **overrides})
+
+        make_trainer().fit()  # record
+        result = replay(make_trainer, probe=WeightNormProbe(), epochs=range(3, 6), workers=2)
+        result.metrics("probe/weight_norm")
+    """
+    probes = _probes(probe)
+    with _replaying():
+        reference = trainer_factory(save_folder=None)
+    model_state = reference.state.model.state_dict()
+    model_class = (
+        f"{type(reference.state.model).__module__}.{type(reference.state.model).__qualname__}"
+    )
+    if dirpath is None:
+        hindsight = next((a for a in reference.state.algorithms if isinstance(a, Hindsight)), None)
+        if hindsight is None:
+            raise ConfigurationError(
+                "replay needs to know where the record is: build the Trainer with "
+                "algorithms=[Hindsight(dirpath=...)], or pass replay(..., dirpath=...)."
+            )
+        dirpath = hindsight.dirpath
+    reference.close()
+    setup = core.prepare(dirpath, run, epochs, workers)
+    entries = setup.entries
+    recorded_run = setup.run
+    if recorded_run.config.get("framework") != "composer":
+        raise ReplayError(
+            f"{recorded_run.name} in {setup.store.root} was not recorded by Composer's Hindsight "
+            "algorithm; replay it with stalwart.Trainer.replay (Lightning)."
+        )
+    core.check_same_model(
+        recorded_run, _recorded_model_state(entries[min(entries)]), model_state, model_class
+    )
+    # Every replayed epoch re-executes its batches: Composer has no way to skip one.
+    segments = core.plan(setup, INNER, workers, "weak")
+
+    def replay_segment(index: int, segment: Segment, replay_id: str) -> None:
+        driver = _ReplayDriver(
+            segment, str(setup.store.root), recorded_run.run_id, replay_id, index
+        )
+        with _replaying():
+            trainer = trainer_factory(
+                load_path=str(entries[segment.resume_from].path),
+                max_duration=f"{segment.last_epoch + 1}ep",
+                save_folder=None,
+            )
+        trainer.state.algorithms.append(driver)
+        trainer.state.callbacks.extend(probes)
+        _attach(trainer.state, trainer.logger, driver.destination)
+        try:
+            trainer.fit()
+        finally:
+            driver.finish()
+            trainer.close()
+
+    return core.run_segments(setup, INNER, segments, replay_segment)

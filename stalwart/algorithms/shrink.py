@@ -1,0 +1,262 @@
+"""Shrunken checkpoints (Inshrinkerator) for MosaicML Composer: the ``Shrink`` algorithm.
+
+Composer's own checkpointing (``save_folder``, ``save_interval``, ``save_num_checkpoints_to_keep``)
+decides when and where checkpoints are written; ``Shrink`` changes what is written: the model
+weights quantized under a quality bound and delta-coded against the previous checkpoint
+(:class:`stalwart.shrink.chain.ChainWriter`, the same writer as Lightning's
+:class:`~stalwart.ShrinkCheckpointIO`), the rest of the state losslessly. Composer's loader reads
+shrunken files transparently once ``Shrink`` is imported, so ``Trainer(load_path=...)`` resumes
+from them. Method card: ``shrink.md`` beside this file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from composer.callbacks import CheckpointSaver
+from composer.core import Algorithm, Event, State
+from composer.loggers import Logger
+from composer.utils import checkpoint as composer_checkpoint
+
+from stalwart.errors import ConfigurationError
+from stalwart.shrink.api import ShrinkReport, load_with_extra
+from stalwart.shrink.chain import ChainWriter, ShrinkRequest
+from stalwart.shrink.container import is_shrunk_file
+from stalwart.shrink.gradients import GradientEMA
+from stalwart.shrink.partition import layer_types_of
+from stalwart.shrink.scoring import first_batches, live_evaluator
+from stalwart.shrink.search import ConfigSearch
+
+#: The Shrink whose saver is writing right now (Composer's writer is a module function).
+_WRITING: contextvars.ContextVar[Shrink | None] = contextvars.ContextVar(
+    "stalwart_shrink_writing", default=None
+)
+#: The Shrink of the Trainer being built, which continues the chain it loads from.
+_loading: Shrink | None = None
+
+
+def _write_checkpoint_file(state_dict: dict[str, Any], filename: str) -> None:
+    shrink = _WRITING.get()
+    if shrink is None:
+        _ORIGINAL_WRITE(state_dict, filename)
+    else:
+        shrink._write(state_dict, filename)
+
+
+def _safe_torch_load(composer_states_filepath: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    # Composer links the file into a temporary folder first; a delta names its base relative to
+    # where it really is.
+    path = os.path.realpath(composer_states_filepath)
+    if not is_shrunk_file(path):
+        return _ORIGINAL_LOAD(composer_states_filepath, *args, **kwargs)
+    if _loading is not None:
+        weights, extra = _loading.writer.load(path)
+    else:
+        weights, extra, _ = load_with_extra(path)
+    checkpoint = dict(extra or {})
+    checkpoint["state"] = {**checkpoint.get("state", {}), "model": weights}
+    return checkpoint
+
+
+_ORIGINAL_WRITE = composer_checkpoint._write_checkpoint_file
+_ORIGINAL_LOAD = composer_checkpoint.safe_torch_load
+# Composer calls both through its module's globals, so they are replaced there: every other
+# checkpoint (not written under a Shrink, not in the shrunken format) goes to the originals.
+composer_checkpoint._write_checkpoint_file = _write_checkpoint_file
+composer_checkpoint.safe_torch_load = _safe_torch_load
+
+
+class Shrink(Algorithm):
+    """Checkpoints 20-40x smaller within a quality bound, written by Composer's checkpointing.
+
+    Each checkpoint Composer saves searches the quantization whose held-out loss is at most
+    ``tau`` (relative) worse than the uncompressed weights', guided by an EMA of the gradients of
+    the last ``grad_window`` batches of the epoch (captured on ``AFTER_BACKWARD``), and stores
+    the weights as a delta against the previous checkpoint. Resuming with
+    ``Trainer(load_path=...)`` reads the shrunken file (and its chain) transparently.
+
+    Args:
+        tau: largest relative increase of the held-out loss a checkpoint may cause.
+        keyframe_every: a full checkpoint (no delta) every this many saves.
+        compress_optimizer: ``"lossless"`` (default) or ``"lossy"`` optimizer state.
+        eval_batches: how many batches of the first evaluator the search scores candidates on.
+        evaluate: ``evaluate(model) -> loss`` on held-out data, instead of the model's own loss
+            on the first evaluator's batches.
+        grad_window: batches at the end of each epoch whose gradients feed the EMA
+            (0 = magnitude only).
+        grad_beta: weight of the newest gradient in the EMA.
+        coder: entropy coder, ``"zstd"`` or ``"huffman"``.
+
+    Example::
+
+        from composer import Trainer
+        from stalwart.algorithms import Shrink
+
+        trainer = Trainer(model=model, train_dataloader=train, eval_dataloader=held_out,
+                          max_duration="10ep", save_folder="ckpt", save_interval="1ep",
+                          algorithms=[Shrink(tau=0.05)])
+        trainer.fit()
+        # later, or after a failure: resumes from the shrunken checkpoint
+        Trainer(..., load_path="ckpt/ep5-ba60-rank0.pt", algorithms=[Shrink()]).fit()
+    """
+
+    def __init__(
+        self,
+        tau: float = 0.05,
+        keyframe_every: int = 10,
+        compress_optimizer: str = "lossless",
+        eval_batches: int = 4,
+        evaluate: Callable[[torch.nn.Module], float] | None = None,
+        grad_window: int = 50,
+        grad_beta: float = 0.9,
+        coder: str = "zstd",
+    ) -> None:
+        if not tau >= 0:
+            raise ConfigurationError(f"tau is a relative degradation >= 0, got {tau}")
+        if eval_batches < 1:
+            raise ConfigurationError(f"eval_batches must be >= 1, got {eval_batches}")
+        if grad_window < 0:
+            raise ConfigurationError(f"grad_window must be >= 0, got {grad_window}")
+        self.writer = ChainWriter(
+            tau=tau, keyframe_every=keyframe_every, compress_optimizer=compress_optimizer,
+            coder=coder,
+        )  # fmt: skip
+        self.ema = GradientEMA(grad_beta)
+        self.search = ConfigSearch(tau)
+        self.tau = tau
+        self.eval_batches = eval_batches
+        self.evaluate = evaluate
+        self.grad_window = grad_window
+        self._state: State | None = None
+        self._held_out: list[Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"Shrink(tau={self.tau}, keyframe_every={self.writer.keyframe_every})"
+
+    @property
+    def reports(self) -> list[ShrinkReport]:
+        """One :class:`~stalwart.shrink.ShrinkReport` per checkpoint written in this process."""
+        return self.writer.reports
+
+    def match(self, event: Event, state: State) -> bool:
+        if event == Event.INIT:
+            return True
+        return event == Event.AFTER_BACKWARD and self._in_window(state)
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        if event == Event.INIT:
+            self._install(state)
+        else:
+            self.ema.update(state.model.named_parameters())
+
+    def _in_window(self, state: State) -> bool:
+        if self.grad_window == 0:
+            return False
+        total = state.dataloader_len
+        if total is None:
+            return True
+        return int(total) - int(state.timestamp.batch_in_epoch) <= self.grad_window
+
+    def _install(self, state: State) -> None:
+        global _loading
+        savers = [cb for cb in state.callbacks if isinstance(cb, CheckpointSaver)]
+        if not savers:
+            raise ConfigurationError(
+                "Shrink compresses the checkpoints Composer saves, and this Trainer saves none: "
+                "pass save_folder='checkpoints' (and save_interval, e.g. '1ep') to the Trainer."
+            )
+        for saver in savers:
+            self._wrap(saver)
+        self._state = state
+        _loading = self
+
+    def _wrap(self, saver: CheckpointSaver) -> None:
+        save, rotate = saver._save_checkpoint, saver._rotate_checkpoints
+
+        def save_checkpoint(state: State, logger: Logger) -> None:
+            with self._writing():
+                save(state, logger)
+
+        def rotate_checkpoints(sharding_enabled: bool = False) -> None:
+            # Composer deletes the oldest files; a delta's base must outlive the delta.
+            keep = saver.num_checkpoints_to_keep
+            while len(saver.saved_checkpoints) > keep:
+                oldest = saver.saved_checkpoints[0]
+                if not is_shrunk_file(oldest):
+                    rotate(sharding_enabled)
+                    continue
+                saver.saved_checkpoints.pop(0)
+                self.writer.remove(oldest)
+
+        saver._save_checkpoint = save_checkpoint
+        saver._rotate_checkpoints = rotate_checkpoints
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        token = _WRITING.set(self)
+        try:
+            yield
+        finally:
+            _WRITING.reset(token)
+
+    def _write(self, checkpoint: dict[str, Any], filename: str) -> None:
+        if composer_checkpoint.is_tar(filename) or composer_checkpoint.is_compressed_pt(filename):
+            raise ConfigurationError(
+                f"Shrink writes its own compressed format, not {filename!r}'s archive: use a plain "
+                "save_filename such as 'ep{epoch}-ba{batch}-rank{rank}.pt'."
+            )
+        state = self._state
+        model = state.model
+        inner = dict(checkpoint["state"])
+        weights = inner.pop("model")
+        extra = {**checkpoint, "state": inner}
+        request = ShrinkRequest(
+            evaluate=live_evaluator(model, self._scorer(state)),
+            gradients=self.ema.take(),
+            layer_types=layer_types_of(model),
+            search=self.search,
+        )
+        self.writer.save(weights, extra, filename, request)
+
+    def _scorer(self, state: State) -> Callable[[torch.nn.Module], float]:
+        if self.evaluate is not None:
+            return self.evaluate
+        batches = self._held_out_batches(state)
+
+        def mean_loss(model: torch.nn.Module) -> float:
+            losses = []
+            for batch in batches:
+                loss = model.loss(model(batch), batch)
+                if isinstance(loss, Mapping):
+                    loss = loss["total"] if "total" in loss else sum(loss.values())
+                elif isinstance(loss, (tuple, list)):
+                    loss = sum(loss)
+                losses.append(float(loss))
+            return sum(losses) / len(losses)
+
+        return mean_loss
+
+    def _held_out_batches(self, state: State) -> list[Any]:
+        if self._held_out is not None:
+            return self._held_out
+        if not state.evaluators:
+            raise ConfigurationError(
+                "Shrink scores candidate quantizations on held-out batches, and this Trainer has "
+                "no eval_dataloader: pass one, or Shrink(evaluate=lambda model: <held-out loss>)."
+            )
+        self._held_out = first_batches(
+            state.evaluators[0].dataloader.dataloader, self.eval_batches,
+            state.device.batch_to_device,
+        )  # fmt: skip
+        return self._held_out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "shrink_search": self.search.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.search.load_state_dict(state.get("shrink_search", {}))

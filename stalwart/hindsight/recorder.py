@@ -1,0 +1,305 @@
+"""The record loop of hindsight logging, shared by the Lightning and Composer adapters.
+
+A :class:`Recorder` owns one record's policy, materializer, store and clocks. An adapter tells it
+when training starts, when epochs start and end and when batches end, and hands it a *snapshot*
+function that returns the framework's complete checkpoint object; the recorder decides (Flor's
+Joint Invariant, corrected by measured background interference), writes and indexes. Nothing
+here knows Lightning or Composer: what a checkpoint contains is the adapter's business.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, TypedDict
+
+from stalwart.hindsight.interference import InterferenceMeter
+from stalwart.hindsight.materializer import (
+    InlineMaterializer,
+    Materializer,
+    WriteJob,
+    make_materializer,
+)
+from stalwart.hindsight.policy import (
+    DEFAULT_EPSILON,
+    DEFAULT_RESTORE_RATIO,
+    Decision,
+    JointInvariantPolicy,
+)
+from stalwart.hindsight.store import (
+    INITIAL_EPOCH,
+    HindsightStore,
+    checkpoint_recorder,
+    prepare_directory,
+)
+
+#: Logged values are committed to the store at least this often (and at every epoch end).
+LOG_FLUSH_SECONDS = 1.0
+
+
+class RecordOptions(TypedDict, total=False):
+    """The record settings every adapter accepts besides ``dirpath`` (see :class:`Recorder`)."""
+
+    epsilon: float
+    materializer: str | Materializer
+    restore_ratio: float
+
+
+class Recorder:
+    """One run directory's record loop: adaptive checkpoint decisions, writes, and the manifest.
+
+    Args:
+        dirpath: the run directory (created if missing; refused if it holds foreign files).
+        epsilon: record overhead budget, a fraction in (0, 1).
+        materializer: ``"fork"``, ``"inline"`` or a :class:`Materializer`.
+        restore_ratio: the policy's restore/materialize cost ratio ``c``.
+        name: how warnings name the adapter (e.g. ``"HindsightCallback"``).
+
+    Example::
+
+        recorder = Recorder("runs")
+        recorder.begin(hparams={}, fingerprints={}, config={"max_epochs": 3})
+        recorder.train_started()
+        for epoch in range(3):
+            recorder.epoch_started()
+            ...  # train, calling recorder.batch_ended() after each batch
+            recorder.epoch_ended(epoch, state_bytes=lambda: 4096)
+            recorder.materialize_due(lambda: {"model": model.state_dict()}, step=epoch)
+        recorder.finish("completed")
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike = "runs",
+        epsilon: float = DEFAULT_EPSILON,
+        materializer: str | Materializer = "fork",
+        restore_ratio: float = DEFAULT_RESTORE_RATIO,
+        name: str = "Recorder",
+    ) -> None:
+        # Every argument is checked before anything is created on disk.
+        self.policy = JointInvariantPolicy(epsilon=epsilon, restore_ratio=restore_ratio)
+        make_materializer(materializer)
+        self._materializer_spec = materializer
+        self.dirpath = prepare_directory(dirpath)
+        self.name = name
+        self._store: HindsightStore | None = None
+        self.materializer: Materializer | None = None
+        #: Commits the adapter's captured log rows; called at least every LOG_FLUSH_SECONDS.
+        self.flush_logs: Callable[[], None] = lambda: None
+        self.start_fresh()
+
+    def start_fresh(self) -> None:
+        """Per-run state: each fit is a new run (a resume then loads the checkpointed state)."""
+        self.policy = JointInvariantPolicy(self.policy.epsilon, self.policy.restore_ratio)
+        self.run_id: int | None = None
+        self.resumed_from: str | None = None
+        self.decided_through = -1
+        self._cost_estimate: float | None = None
+        self._due: tuple[Decision, float] | None = None
+        self._interference = InterferenceMeter()
+        self._shadowed = False
+        self._warmup = True
+        self._last_flush = 0.0
+        self._clock = 0.0
+
+    @property
+    def store(self) -> HindsightStore:
+        if self._store is None:
+            self._store = HindsightStore(self.dirpath, create=True)
+        return self._store
+
+    @property
+    def recording(self) -> bool:
+        return self.run_id is not None and self.materializer is not None
+
+    def begin(self, *, hparams: dict, fingerprints: dict, config: dict) -> int:
+        """Start a new run in the store; ``config`` is added to the policy's own settings."""
+        self.start_fresh()
+        self.materializer = make_materializer(self._materializer_spec)
+        self.run_id = self.store.begin_run(
+            hparams=hparams,
+            fingerprints=fingerprints,
+            config={
+                "epsilon": self.policy.epsilon,
+                "restore_ratio": self.policy.restore_ratio,
+                "materializer": self.materializer.name,
+                **config,
+            },
+        )
+        return self.run_id
+
+    def write_initial(self, snapshot: Callable[[], Any], step: int) -> None:
+        """Write the state training starts from, so a replay from epoch 0 needs no user seeding.
+
+        Written inline, before training starts: a background writer here would slow the first
+        epoch, which is also the only clean baseline the interference meter has yet.
+        """
+        cost = self.write(snapshot, INITIAL_EPOCH, "init.ckpt", step, InlineMaterializer())
+        self.policy.charge(cost)
+
+    def train_started(self) -> None:
+        self._clock = time.perf_counter()
+        self._warmup = True
+
+    def epoch_started(self) -> None:
+        if self.materializer is not None:
+            self._shadowed = self.materializer.busy
+
+    def batch_ended(self) -> None:
+        if self.materializer is None:
+            return
+        # A commit per batch costs ~0.1 ms inside training: commit about once a second instead
+        # (and at every epoch end); a crash loses at most that second of logged values.
+        if time.perf_counter() - self._last_flush >= LOG_FLUSH_SECONDS:
+            self.flush()
+        self.materializer.poll()
+        self._shadowed = self._shadowed or self.materializer.busy
+
+    def epoch_ended(
+        self,
+        epoch: int,
+        state_bytes: Callable[[], int],
+        veto: Callable[[bool], bool] = bool,
+    ) -> Decision | None:
+        """Account a finished epoch and decide whether to checkpoint it.
+
+        Args:
+            epoch: the epoch that just ended (0-based).
+            state_bytes: tensor bytes of the state a checkpoint holds (asked only before the
+                first checkpoint, to probe what one costs).
+            veto: ``veto(policy_says) -> bool``, the adapter's override of the decision.
+
+        Returns the decision (None when the epoch was already decided or nothing is recorded).
+        A positive decision is *due*: the adapter calls :meth:`materialize_due` once the epoch
+        has fully ended.
+        """
+        if not self.recording or epoch <= self.decided_through:
+            return None
+        self.flush()
+        self.materializer.poll()
+        shadowed = self._shadowed or self.materializer.busy
+        epoch_seconds = time.perf_counter() - self._clock
+        self._interference.observe(epoch_seconds, shadowed=shadowed, warmup=self._warmup)
+        self._warmup = False
+        interference = self._interference.take()
+        self.policy.charge(interference)
+        compute_time = epoch_seconds - max(interference, 0.0)
+        estimate = self._estimate_cost(state_bytes)
+        decision = self.policy.decide(
+            compute_time=compute_time, materialize_cost=estimate, epoch=epoch
+        )
+        # Until one clean epoch (no writer alive) has been seen, a checkpoint's true cost cannot
+        # be measured: leave the epoch after the first checkpoint free of a new writer.
+        measurable = self._interference.baseline is not None or self.policy.checkpoints == 0
+        decision = replace(decision, checkpoint=veto(decision.checkpoint and measurable))
+        self.decided_through = epoch
+        if decision.checkpoint:
+            self.policy.checkpointed(estimate)
+            self._due = (decision, interference)
+        else:
+            self.store.add_decision(self.run_id, decision.as_dict(), None, interference)
+        self._clock = time.perf_counter()
+        return decision
+
+    def drop_due(self) -> None:
+        """Forget a due checkpoint (the epoch did not end cleanly)."""
+        self._due = None
+
+    def materialize_due(self, snapshot: Callable[[], Any], step: int) -> None:
+        """Write the checkpoint :meth:`epoch_ended` decided on, if any."""
+        due, self._due = self._due, None
+        if due is None:
+            return
+        decision, interference = due
+        measured = self.write(snapshot, decision.epoch, f"epoch={decision.epoch:04d}.ckpt", step)
+        self.policy.revise_last_cost(decision.materialize_cost, measured)
+        self.store.add_decision(self.run_id, decision.as_dict(), measured, interference)
+        # The epoch clock restarts after the checkpoint: C must not include M.
+        self._clock += measured
+
+    def write(
+        self,
+        snapshot: Callable[[], Any],
+        epoch: int,
+        name: str,
+        step: int,
+        materializer: Materializer | None = None,
+    ) -> float:
+        """Snapshot the state and hand it to the materializer; returns main-thread seconds."""
+        start = time.perf_counter()
+        checkpoint = snapshot()
+        path = self.store.run_dir(self.run_id) / name
+        record = checkpoint_recorder(self.store.db_path, self.run_id, epoch, step)
+        (materializer or self.materializer).submit(WriteJob(checkpoint, path, record))
+        return time.perf_counter() - start
+
+    def flush(self) -> None:
+        self._last_flush = time.perf_counter()
+        self.flush_logs()
+
+    def finish(self, status: str) -> str | None:
+        """Write what is pending, wait for background writers, close the run.
+
+        Returns a one-line summary of a completed run (None otherwise), for the adapter to show.
+        """
+        if not self.recording:
+            return None
+        self.flush()
+        self.materializer.close()
+        for failure in self.materializer.failures:
+            warnings.warn(f"{self.name}: {failure}", stacklevel=3)
+        self.store.finish_run(self.run_id, status)
+        self.materializer = None
+        if status != "completed":
+            return None
+        return (
+            f"{self.name}: recorded {self.store.run_dir(self.run_id)} "
+            f"({self.policy.epochs} epochs, {self.policy.checkpoints} checkpoints, "
+            f"checkpoint cost {self.policy.overhead:.2%} of compute, "
+            f"budget {self.policy.epsilon:.2%})"
+        )
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "dirpath": str(self.dirpath),
+            "run_id": self.run_id,
+            "decided_through": self.decided_through,
+            "cost_estimate": self._cost_estimate,
+            "policy": self.policy.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue the policy of a checkpointed record; the current run notes where from."""
+        self.policy.load_state_dict(state_dict["policy"])
+        self.decided_through = int(state_dict["decided_through"])
+        self._cost_estimate = state_dict["cost_estimate"]
+        previous = state_dict["run_id"]
+        if previous is not None:
+            self.resumed_from = (
+                f"{state_dict['dirpath']}#run_{previous:04d}@epoch={self.decided_through}"
+            )
+            if self.run_id is not None:
+                self.store.mark_resumed(self.run_id, self.resumed_from)
+
+    def _estimate_cost(self, state_bytes: Callable[[], int]) -> float:
+        """The mean measured cost of this run's checkpoints; before the first, a measured probe.
+
+        Measured cost is main-thread time plus the slowdown background writes caused (see
+        :mod:`stalwart.hindsight.interference`). The mean, not the last value: with buffered small
+        checkpoints most cost a copy and every few a fork; the mean is what one more costs.
+        """
+        if self.policy.checkpoints:
+            return self.policy.total_materialize / self.policy.checkpoints
+        if self._cost_estimate is None:
+            self._cost_estimate = self.materializer.probe_cost(
+                state_bytes(), self.store.run_dir(self.run_id)
+            )
+        return self._cost_estimate

@@ -1,0 +1,215 @@
+"""Replay of a recorded run, the framework-neutral part (Flor §2.2, §3.3.3).
+
+What a replay needs before any training runs (the record, the epochs, a model that matches it,
+the plan, verified start checkpoints), running its segments in parallel worker processes, and
+what it reports afterwards (the work each segment did and the deferred correctness check). The
+Lightning and Composer adapters supply only the function that replays one segment.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from stalwart.errors import ConfigurationError, ReplayError
+from stalwart.hindsight.checkpoint_file import verify_checkpoint
+from stalwart.hindsight.fingerprint import hook_fingerprints
+from stalwart.hindsight.plan import Segment, plan_replay
+from stalwart.hindsight.store import CheckpointEntry, HindsightStore, Run
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A recorded metric the replay did not reproduce (Flor's deferred correctness check)."""
+
+    name: str
+    epoch: int
+    recorded: list[float]
+    replayed: list[float]
+
+
+@dataclass
+class ReplayResult:
+    """What a replay produced: the probes' values, the work done, and the deferred check."""
+
+    replay_id: str
+    run: Run
+    level: str
+    segments: list[Segment]
+    batch_epochs: list[int]
+    seconds: float
+    mismatches: list[Mismatch] = field(default_factory=list)
+
+    @property
+    def batches_executed(self) -> int:
+        """Training batches (``training_step`` calls) the replay ran."""
+        return len(self.batch_epochs)
+
+    def metrics(self, name: str) -> pd.DataFrame:
+        """The values this replay logged under ``name``: epoch, step, value, source, hook."""
+        frame = self.run.metrics(name, source="replay")
+        frame = frame[frame.replay_id == self.replay_id]
+        # Workers write concurrently; within an epoch, rows keep the order they were logged in.
+        return frame.sort_values("epoch", kind="stable").reset_index(drop=True)
+
+
+@dataclass
+class ReplaySetup:
+    """A validated replay request: the record, the epochs wanted and their checkpoints."""
+
+    store: HindsightStore
+    run: Run
+    wanted: list[int]
+    entries: dict[int, CheckpointEntry]
+
+
+def prepare(
+    dirpath: Any, run: int | str | None, epochs: Iterable[int] | None, workers: int
+) -> ReplaySetup:
+    """Open the record and check the request against it, before any work."""
+    if not isinstance(workers, int) or workers < 1:
+        raise ConfigurationError(f"workers={workers!r}: pass a whole number >= 1.")
+    store = HindsightStore(dirpath, create=True)
+    recorded_run = store.run(run)
+    recorded_epochs = sorted(recorded_run.decisions().epoch.tolist())
+    wanted = recorded_epochs if epochs is None else sorted(set(epochs))
+    outside = sorted(set(wanted) - set(recorded_epochs))
+    if outside:
+        raise ReplayError(
+            f"epochs {outside} are not in {recorded_run.name}, which recorded epochs "
+            f"{recorded_epochs[0]}..{recorded_epochs[-1]}." if recorded_epochs else
+            f"{recorded_run.name} recorded no epoch."
+        )  # fmt: skip
+    entries = {e.epoch: e for e in recorded_run.checkpoints(include_initial=True)}
+    if not entries:
+        raise ReplayError(f"{recorded_run.name} has no checkpoint to replay from.")
+    return ReplaySetup(store, recorded_run, wanted, entries)
+
+
+def check_same_model(
+    run: Run, recorded: Mapping[str, Any], actual: Mapping[str, Any], actual_class: str
+) -> None:
+    """Refuse a model whose state (names and shapes) differs from the one the run recorded."""
+    recorded_shapes = {k: tuple(v.shape) for k, v in recorded.items()}
+    actual_shapes = {k: tuple(v.shape) for k, v in actual.items()}
+    if recorded_shapes != actual_shapes:
+        differing = sorted(set(recorded_shapes.items()) ^ set(actual_shapes.items()))[:5]
+        raise ReplayError(
+            f"{run.name} was recorded from a different model ({run.config.get('module_class')}): "
+            f"its state differs from {actual_class}'s in {differing}. "
+            "Pass the model the run was trained with."
+        )
+
+
+def edited_hooks(model: object, run: Run) -> set[str]:
+    """The model's methods whose source differs from the record's fingerprints."""
+    recorded = run.fingerprints.get("module", {})
+    current = hook_fingerprints(model)
+    return {
+        name for name in set(recorded) | set(current) if recorded.get(name) != current.get(name)
+    }
+
+
+def plan(setup: ReplaySetup, level: str, workers: int, init: str) -> list[Segment]:
+    """Plan the segments and verify every checkpoint one starts from (fail before any work)."""
+    segments = plan_replay(setup.wanted, setup.entries, level, workers=workers, init=init)
+    for segment in segments:
+        entry = setup.entries[segment.resume_from]
+        verify_checkpoint(entry.path, entry.nbytes, entry.crc32)
+    return segments
+
+
+def run_segments(
+    setup: ReplaySetup,
+    level: str,
+    segments: list[Segment],
+    replay_segment: Callable[[int, Segment, str], None],
+) -> ReplayResult:
+    """Run ``replay_segment(index, segment, replay_id)`` for every segment and collect results.
+
+    One segment runs in this process; several run in forked worker processes, one per segment,
+    each with an equal share of the cores. Each segment stores its work in ``replay_work``.
+    """
+    replay_id = uuid.uuid4().hex[:12]
+    started = time.perf_counter()
+    if len(segments) == 1:
+        replay_segment(0, segments[0], replay_id)
+    else:
+        context = multiprocessing.get_context("fork")
+        threads = max(1, (os.cpu_count() or 1) // len(segments))
+        processes = [
+            context.Process(
+                target=_worker_main, args=(threads, replay_segment, index, segment, replay_id)
+            )
+            for index, segment in enumerate(segments)
+        ]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join()
+    seconds = time.perf_counter() - started
+
+    store, recorded_run = setup.store, setup.run
+    work = store.query(
+        "SELECT segment, batch_epochs FROM replay_work WHERE replay_id = ? ORDER BY segment",
+        (replay_id,),
+    )
+    if len(work) != len(segments):
+        raise ReplayError(f"replay {replay_id}: {len(segments) - len(work)} worker(s) failed.")
+    batch_epochs = [e for text in work.batch_epochs for e in json.loads(text)]
+    result = ReplayResult(replay_id, recorded_run, level, segments, batch_epochs, seconds)
+    result.mismatches = deferred_check(store, recorded_run.run_id, replay_id, setup.wanted)
+    if result.mismatches:
+        first = result.mismatches[0]
+        warnings.warn(
+            f"replay {replay_id} of {recorded_run.name} does not reproduce {len(result.mismatches)}"
+            f" recorded value series, first {first.name!r} at epoch {first.epoch}: recorded "
+            f"{first.recorded[:3]}, replayed {first.replayed[:3]}. State the checkpoints missed "
+            "may differ; try init='strong'.",
+            stacklevel=4,
+        )
+    return result
+
+
+def _worker_main(
+    threads: int, replay_segment: Callable, index: int, segment: Segment, replay_id: str
+) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    replay_segment(index, segment, replay_id)
+
+
+def deferred_check(
+    store: HindsightStore, run_id: int, replay_id: str, epochs: Sequence[int]
+) -> list[Mismatch]:
+    """Compare every recorded value series with the replayed one, per (name, epoch)."""
+    rows = store.query(
+        "SELECT name, epoch, value, source FROM metrics WHERE run_id = ? AND epoch IN"
+        f" ({','.join('?' * len(epochs))}) AND (source = 'record' OR replay_id = ?)"
+        " ORDER BY rowid",
+        (run_id, *epochs, replay_id),
+    )
+    mismatches = []
+    for (name, epoch), group in rows.groupby(["name", "epoch"], sort=True):
+        recorded = group[group.source == "record"].value.tolist()
+        replayed = group[group.source == "replay"].value.tolist()
+        if not recorded or not replayed:
+            continue  # only one side logged it: a new probe, or a memoized training metric
+        same = len(recorded) == len(replayed) and all(
+            a == b or (math.isnan(a) and math.isnan(b))
+            for a, b in zip(recorded, replayed, strict=False)
+        )
+        if not same:
+            mismatches.append(Mismatch(name, int(epoch), recorded, replayed))
+    return mismatches

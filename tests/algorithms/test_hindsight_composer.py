@@ -1,0 +1,119 @@
+"""Composer Hindsight: record, then replay a probe after the fact, bit for bit (sklearn digits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from composer import Callback
+from composer.loggers import InMemoryLogger
+from composer_digits import WeightNormProbe, make_trainer
+
+import stalwart.hindsight
+from stalwart.algorithms import Hindsight, replay
+from stalwart.hindsight.recorder import Recorder
+
+EPOCHS = 6
+BATCHES = 11  # 1437 digits in batches of 128, the last short one dropped
+
+
+class EveryEpoch(Hindsight):
+    """Checkpoint every epoch, whatever the policy says: the test needs a fixed plan."""
+
+    def should_checkpoint(self, state, policy_says: bool) -> bool:
+        return True
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("composer-record")
+    hindsight = EveryEpoch(root)  # one instance for the record and every replay
+
+    def factory(**overrides):
+        return make_trainer(epochs=EPOCHS, algorithms=[hindsight], **overrides)
+
+    factory().fit()
+    return root, factory
+
+
+@pytest.fixture(scope="module")
+def ground_truth():
+    """The run with the probe attached from the start (no Hindsight at all)."""
+    memory = InMemoryLogger()
+    make_trainer(epochs=EPOCHS, callbacks=[WeightNormProbe()], loggers=[memory]).fit()
+    values = [float(v) for _, v in memory.data["probe/weight_norm"]]
+    assert len(values) == EPOCHS * BATCHES
+    return values
+
+
+def test_record_holds_every_logged_value_and_composer_checkpoints(recorded):
+    root, _ = recorded
+    run = stalwart.hindsight.open(root).run()
+    assert run.status == "completed" and run.config["framework"] == "composer"
+    assert [c.epoch for c in run.checkpoints(include_initial=True)] == list(range(-1, EPOCHS))
+    assert run.decisions().n.tolist() == list(range(1, EPOCHS + 1))
+    loss = run.metrics("loss/train/total")
+    assert loss.groupby("epoch").size().to_dict() == dict.fromkeys(range(EPOCHS), BATCHES)
+    # Epoch-end evaluation belongs to the epoch it evaluated, not the next one.
+    assert run.metrics("metrics/eval/MulticlassAccuracy").epoch.tolist() == list(range(EPOCHS))
+    state = torch.load(run.checkpoint(2).path, weights_only=False)
+    assert state["state"]["timestamp"]["Timestamp"]["epoch"] == 3 and "rng" in state  # Composer
+
+
+def test_middle_epochs_replayed_in_two_workers_equal_the_ground_truth(recorded, ground_truth):
+    _, factory = recorded
+    result = replay(factory, probe=WeightNormProbe(), epochs=[2, 3, 4], workers=2)
+    assert len(result.segments) == 2
+    assert result.mismatches == []  # every recorded value of epochs 2..4 was reproduced
+    loss = result.run.metrics("loss/train/total")
+    recorded_loss = loss[(loss.source == "record") & loss.epoch.isin([2, 3, 4])]
+    assert len(recorded_loss) == 3 * BATCHES
+    assert result.metrics("loss/train/total").value.tolist() == recorded_loss.value.tolist()
+    replayed = result.metrics("probe/weight_norm")
+    assert replayed.value.tolist() == ground_truth[2 * BATCHES : 5 * BATCHES]  # bit for bit
+    assert replayed.epoch.tolist() == [e for e in (2, 3, 4) for _ in range(BATCHES)]
+    # Composer cannot skip epochs: each segment resumes from the checkpoint right before it.
+    assert sorted(result.batch_epochs) == [e for e in (2, 3, 4) for _ in range(BATCHES)]
+
+
+def test_whole_run_replayed_from_the_initial_checkpoint(recorded, ground_truth):
+    root, factory = recorded
+    result = replay(factory, probe=WeightNormProbe(), workers=1)
+    assert [s.resume_from for s in result.segments] == [-1]
+    assert result.metrics("probe/weight_norm").value.tolist() == ground_truth
+    assert result.mismatches == []
+    assert len(stalwart.hindsight.open(root).runs()) == 1  # replays record no run of their own
+
+
+def test_lightning_and_composer_record_with_the_same_core(tmp_path):
+    from stalwart import HindsightCallback
+
+    composer_side = Hindsight(tmp_path / "c")
+    lightning_side = HindsightCallback(tmp_path / "l")
+    assert type(composer_side.recorder) is type(lightning_side.recorder) is Recorder
+
+
+class Boom(Callback):
+    """Fails the fit in the middle of epoch 2."""
+
+    def batch_end(self, state, logger) -> None:
+        if int(state.timestamp.epoch) == 2 and int(state.timestamp.batch_in_epoch) == 5:
+            raise RuntimeError("boom")
+
+
+def test_a_failed_fit_keeps_its_checkpoints_and_the_record_resumes_from_them(tmp_path):
+    trainer = make_trainer(epochs=4, algorithms=[EveryEpoch(tmp_path)], callbacks=[Boom()])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit()
+    trainer.close()
+    run = stalwart.hindsight.open(tmp_path).run()
+    assert run.status == "failed"
+    assert [c.epoch for c in run.checkpoints(include_initial=True)] == [-1, 0, 1]
+    assert run.checkpoint(1).nbytes > 0  # indexed with its size and CRC-32
+    make_trainer(
+        epochs=4, algorithms=[EveryEpoch(tmp_path)], load_path=str(run.checkpoint(1).path)
+    ).fit()
+    again = stalwart.hindsight.open(tmp_path).run()
+    assert again.run_id == 2 and again.status == "completed"
+    assert again.resumed_from.endswith("#run_0001@epoch=1")
+    assert [c.epoch for c in again.checkpoints(include_initial=True)] == [2, 3]  # no init.ckpt
+    assert sorted(set(again.metrics("loss/train/total").epoch)) == [2, 3]
