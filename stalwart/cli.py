@@ -156,7 +156,22 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--run", default=None, help="run name (default: the latest)")
     replay.add_argument("--init", choices=["weak", "strong"], default="weak")
     replay.set_defaults(func=None)
+    from stalwart.pipeline import cli as pipeline_cli
+
+    simulate = commands.add_parser("simulate", help="preemption simulator: Bamboo vs checkpoint")
+    pipeline_cli.add_simulate_arguments(simulate)
+    simulate.set_defaults(func=pipeline_cli.run_simulate)
+    pipeline = commands.add_parser("pipeline", help="run a redundant pipeline with faults")
+    pipeline_cli.add_pipeline_arguments(pipeline)
+    pipeline.set_defaults(func=pipeline_cli.run_pipeline)
     shrink_cli.add_arguments(commands)
+    from stalwart.ps import experiment as ps_experiment
+
+    ps = commands.add_parser(
+        "ps-experiment", help="parameter-server modes under SIGKILL: accuracy plot and table"
+    )
+    ps_experiment.add_arguments(ps)
+    ps.set_defaults(func=ps_experiment.run)
     for name in LIGHTNING_COMMANDS:
         commands.add_parser(name, help=f"LightningCLI {name} with stalwart.Trainer", add_help=False)
     return parser

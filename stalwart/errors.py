@@ -25,3 +25,7 @@ class RunNotFoundError(StalwartError, LookupError):
 
 class ReplayError(StalwartError):
     """A replay cannot run as asked: the record does not match the model, or lacks what it needs."""
+
+
+class StoreUnavailableError(StalwartError, ConnectionError):
+    """The parameter-server store cannot be reached (at start, or for longer than the patience)."""

@@ -1,0 +1,29 @@
+"""Training through parameter-server failure (Cao et al., "Training Through Failure").
+
+Data-parallel training with a parameter server in five modes -- checkpointing (sync/async), chain
+replication (sync/async) and the stateless PS whose weights and gradient queues live in an
+external store -- with real processes, a SIGKILL failure injector and the paper's experiment.
+Framework-neutral: plain torch and the standard library (no Lightning import here).
+
+Example:
+    >>> from stalwart.ps import KillEvent, PSConfig, run_training
+    >>> config = PSConfig(mode="stateless", workers=2, steps=200, kills=[KillEvent(150, 2.0)])
+    >>> result = run_training(config)  # doctest: +SKIP
+    >>> result.lost, result.duplicates  # doctest: +SKIP
+    (0, 0)
+"""
+
+from stalwart.ps.config import MODES, KillEvent, PSConfig
+from stalwart.ps.runner import RunResult, run_training
+from stalwart.ps.store import KeyValueStore, RetryingStore, TCPStoreClient
+
+__all__ = [
+    "MODES",
+    "KeyValueStore",
+    "KillEvent",
+    "PSConfig",
+    "RetryingStore",
+    "RunResult",
+    "TCPStoreClient",
+    "run_training",
+]

@@ -1,0 +1,27 @@
+"""The entry point of every PS child process; loads only the framework-neutral core.
+
+Run as a script (``python .../stalwart/ps/boot.py ROLE ...``). Importing the ``stalwart`` package
+would import Lightning and every other capability first, which costs each process several
+seconds on a busy two-core host and makes restarts and test runs slow; the PS core needs none of
+it. So this registers a bare ``stalwart`` package (same directory, ``__init__`` not executed)
+before importing :mod:`stalwart.ps.launch`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+if __name__ == "__main__":
+    here = os.path.dirname(os.path.abspath(__file__))
+    package_dir = os.path.dirname(here)
+    # sys.path[0] is this script's directory: its module names (config, model, ...) must not
+    # shadow anything, so replace it by the directory that holds the package.
+    sys.path[0] = os.path.dirname(package_dir)
+    package = types.ModuleType("stalwart")
+    package.__path__ = [package_dir]
+    sys.modules["stalwart"] = package
+    from stalwart.ps.launch import run_role
+
+    run_role(sys.argv[1:])

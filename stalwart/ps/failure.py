@@ -1,0 +1,77 @@
+"""The failure injector: SIGKILL the PS (or chain replicas) at a gradient count, restart later.
+
+It only decides *when* and *whom*; the runner owns the processes and does the killing and the
+restarting through the two callbacks, so the injector is easy to test and to reuse.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from stalwart.ps.config import KillEvent
+
+
+@dataclass
+class Kill:
+    """What happened for one :class:`KillEvent`."""
+
+    event: KillEvent
+    produced: int = 0
+    killed_at: float | None = None
+    restarted_at: float | None = None
+    pids: list[int] = field(default_factory=list)
+
+
+class FailureInjector:
+    """Fire a schedule of kill events, one at a time.
+
+    Args:
+        events: the schedule (validated by :meth:`PSConfig.validate`).
+        kill: ``kill(targets) -> pids`` SIGKILLs the targets and returns their pids.
+        restart: ``restart(targets)`` starts replacements.
+        server_up: True when the current PS has recovered (the next kill waits for it, so two
+            kills never land on one outage).
+
+    Example:
+        >>> injector = FailureInjector([KillEvent(100, 2.0)], kill, restart, up)  # doctest: +SKIP
+        >>> injector.poll(produced=120)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        events: list[KillEvent],
+        kill: Callable[[tuple[str, ...]], list[int]],
+        restart: Callable[[tuple[str, ...]], None],
+        server_up: Callable[[], bool],
+    ) -> None:
+        self.kills = [Kill(event) for event in events]
+        self._kill = kill
+        self._restart = restart
+        self._server_up = server_up
+
+    @property
+    def pending(self) -> bool:
+        """A restart is still due."""
+        return any(k.killed_at is not None and k.restarted_at is None for k in self.kills)
+
+    def poll(self, produced: int, now: float | None = None) -> None:
+        """Kill or restart whatever is due at ``produced`` gradients and time ``now``."""
+        now = time.time() if now is None else now
+        for kill in self.kills:
+            if kill.killed_at is not None and kill.restarted_at is None:
+                if now - kill.killed_at >= kill.event.downtime:
+                    self._restart(kill.event.targets)
+                    kill.restarted_at = time.time()
+                return
+            if kill.killed_at is None:
+                if produced >= kill.event.at_gradient and self._server_up():
+                    kill.pids = self._kill(kill.event.targets)
+                    kill.killed_at = time.time()
+                    kill.produced = produced
+                return
+
+    def unfired(self) -> list[KillEvent]:
+        """Events that never fired (the run ended first)."""
+        return [k.event for k in self.kills if k.killed_at is None]

@@ -1,0 +1,287 @@
+"""The parameter server: one loop for all five modes; the modes differ in three decisions.
+
+1. Where a (re)started PS gets its weights: the store (stateless, and every mode's first start),
+   the newest checkpoint on disk (checkpointing), or a replica's memory (chain replication).
+2. What happens to gradients queued while it was down: the stateless PS applies every one of them
+   exactly once (its cursors are committed atomically with the weights); a stateful PS lost them
+   with its memory and skips to the queue heads.
+3. Synchronous modes wait for one gradient per worker computed on the current weights and apply
+   their mean; asynchronous modes apply whatever is pending.
+
+Every update is committed the same way: write ``log/E/V`` (the audit record), write the weights
+``state/E/V``, then move ``head`` by compare-and-set. A SIGKILL anywhere leaves ``head`` on the
+previous complete state, so a restarted stateless PS re-executes the interrupted update.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+from stalwart.errors import CorruptCheckpointError, StalwartError
+from stalwart.ps import layout
+from stalwart.ps.config import PSConfig
+from stalwart.ps.model import initial_weights
+from stalwart.ps.store import KeyValueStore
+from stalwart.ps.update import apply_update, backlog_scale
+from stalwart.ps.wire import pack, unpack
+
+#: Gradients fetched per store round trip while draining a backlog (bounds one message's size).
+FETCH_CHUNK = 64
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+class SplitBrainError(StalwartError):
+    """Another PS moved the head: two servers believe they are in charge."""
+
+
+class ParameterServer:
+    """Serve one incarnation of the parameter server until the run's ``stop`` key appears.
+
+    Args:
+        config: the run.
+        store: the shared store.
+        replicate: chain modes: called with the committed state blob every ``replicate_every``
+            updates; it returns once the successor acknowledged.
+
+    Example:
+        >>> ps = ParameterServer(config, store)  # doctest: +SKIP
+        >>> ps.recover("store"); ps.serve()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        config: PSConfig,
+        store: KeyValueStore,
+        replicate: Callable[[bytes], object] | None = None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.replicate = replicate
+        self.sync = config.mode.endswith("-sync")
+        self.stateless = config.mode == "stateless"
+        self.epoch = 0
+        self.version = 0
+        self.ref = layout.INIT
+        self.weights = torch.empty(0)
+        self.cursors = [0] * config.workers
+        self.head_raw = b""
+        self.head_key = ""
+        self.previous_keys: list[str] = []
+        self.discarded = 0
+
+    # -- recovery ------------------------------------------------------------------------------
+    def recover(
+        self,
+        source: str,
+        snapshot: bytes | None = None,
+        detected_at: float | None = None,
+        index: int = 0,
+    ) -> bytes:
+        """Take the next epoch, load the weights from ``source`` and publish them; the state blob.
+
+        Args:
+            source: ``"store"``, ``"checkpoint"`` or ``"memory"`` (then ``snapshot`` is the blob
+                a replica received from its predecessor).
+            snapshot: the replica's in-memory state blob.
+            detected_at: when the failure was detected (chain takeover latency).
+            index: the replica's position in the chain (0 for a plain PS).
+        """
+        started = time.time()
+        self.epoch = self.store.add(layout.EPOCH, 1)
+        self.head_raw = self.store.get(layout.HEAD) or b""
+        counts = self._counts()
+        if source == "store":
+            head = json.loads(self.head_raw)
+            blob = self.store.get(layout.state(head["key"]))
+            if blob is None:
+                raise StalwartError(
+                    f"the store has a head {head['key']} but not its weights: the store lost its "
+                    "state (was it restarted?). Start the run again from a fresh store."
+                )
+            header, self.weights = unpack(blob)
+            self.version, self.ref = header["version"], header["log"]
+            # Stateless: the committed cursors mark exactly what is applied; the rest is backlog.
+            self.cursors = list(header["cursors"])
+        elif source == "checkpoint":
+            self.version, self.ref, self.weights = self._load_checkpoint()
+        elif source == "memory":
+            if snapshot is None:
+                raise StalwartError("a replica took over without ever receiving the weights.")
+            header, self.weights = unpack(snapshot)
+            self.version, self.ref = header["version"], header["log"]
+        else:
+            raise ValueError(source)
+        if source != "store":
+            # A stateful PS held the queued gradients in its memory: they died with it.
+            self.cursors = counts
+        backlog = sum(c - k for c, k in zip(counts, self.cursors, strict=True))
+        blob = self._commit(log_record=None)
+        self.store.set(
+            layout.event(self.epoch),
+            json.dumps({
+                "epoch": self.epoch, "source": source, "version": self.version, "log": self.ref,
+                "backlog": backlog, "pid": os.getpid(), "started": started,
+                "committed": time.time(), "detected": detected_at, "index": index,
+            }).encode(),
+        )  # fmt: skip
+        return blob
+
+    def _load_checkpoint(self) -> tuple[int, str, torch.Tensor]:
+        path = os.path.join(self.config.run_dir, CHECKPOINT_FILE)
+        if not os.path.exists(path):
+            # Killed before the first checkpoint: start over from the seed's initial weights.
+            return 0, layout.INIT, initial_weights(self.config.seed, self.config.hidden)
+        try:
+            saved = torch.load(path, weights_only=True)
+            return int(saved["version"]), str(saved["log"]), saved["weights"]
+        except Exception as exc:
+            raise CorruptCheckpointError(
+                f"{path} cannot be read ({exc}); delete it to restart from the initial weights."
+            ) from exc
+
+    def _save_checkpoint(self) -> None:
+        # torch.save names the archive after the file's stem, so the temp name must have one.
+        fd, tmp = tempfile.mkstemp(dir=self.config.run_dir, prefix="checkpoint-", suffix=".tmp")
+        os.close(fd)
+        torch.save({"version": self.version, "log": self.ref, "weights": self.weights}, tmp)
+        os.replace(tmp, os.path.join(self.config.run_dir, CHECKPOINT_FILE))
+        self.store.set(layout.CHECKPOINTED, self.ref.encode())
+
+    # -- committing ----------------------------------------------------------------------------
+    def _counts(self) -> list[int]:
+        keys = [layout.count(w) for w in range(self.config.workers)]
+        return [int(v) for v in self.store.get_many(keys)]
+
+    def _commit(self, log_record: dict | None) -> bytes:
+        key = f"{self.epoch}/{self.version}"
+        if log_record is not None:
+            self.store.set(layout.log(key), json.dumps(log_record).encode())
+            self.ref = key
+        blob = pack(
+            {
+                "version": self.version,
+                "log": self.ref,
+                "cursors": self.cursors,
+                "epoch": self.epoch,
+            },
+            self.weights,
+        )
+        self.store.set(layout.state(key), blob)
+        self._move_head(key)
+        if key not in self.previous_keys:
+            self.previous_keys.append(key)
+        # Keep a few old states: a worker may have read the head just before it moved. An audited
+        # run (keep_gradients) keeps them all.
+        while len(self.previous_keys) > 3 and not self.config.keep_gradients:
+            self.store.delete(layout.state(self.previous_keys.pop(0)))
+        return blob
+
+    def _move_head(self, key: str) -> None:
+        desired = json.dumps({"key": key, "cursors": self.cursors}).encode()
+        if not self.store.compare_set(layout.HEAD, self.head_raw, desired):
+            raise SplitBrainError(
+                f"PS epoch {self.epoch}: the head moved to {self.store.get(layout.HEAD)!r}; "
+                "another parameter server is running against this store."
+            )
+        self.head_raw, self.head_key = desired, key
+
+    def _apply(self, ids: list[list[int]], gradients: list[torch.Tensor], scale: float) -> None:
+        parent = self.ref
+        self.weights = apply_update(self.weights, torch.stack(gradients), self.config.lr, scale)
+        self.version += 1
+        blob = self._commit({
+            "ids": ids, "lr": self.config.lr, "scale": scale, "parent": parent, "t": time.time(),
+            "cursors": self.cursors,
+        })  # fmt: skip
+        mode = self.config.mode
+        if mode.startswith("checkpoint") and self.version % self.config.checkpoint_every == 0:
+            self._save_checkpoint()
+        if self.replicate is not None and self.version % self.config.replicate_every == 0:
+            self.replicate(blob)
+
+    # -- serving -------------------------------------------------------------------------------
+    def _fetch(self, keys: list[str]) -> list[tuple[dict, torch.Tensor]]:
+        out: list[tuple[dict, torch.Tensor]] = []
+        for start in range(0, len(keys), FETCH_CHUNK):
+            out += [unpack(b) for b in self.store.get_many(keys[start : start + FETCH_CHUNK])]
+        return out
+
+    def _accepts(self, header: dict) -> bool:
+        if self.stateless:
+            return True
+        if self.sync:
+            return header["base"] == self.head_key
+        # Async stateful: a gradient computed on a previous incarnation's weights was sent to a
+        # server that is gone.
+        return header["base"].split("/")[0] == str(self.epoch)
+
+    def _forget(self, keys: list[str]) -> None:
+        if not self.config.keep_gradients:
+            for key in keys:
+                self.store.delete(key)
+
+    def step_async(self, counts: list[int]) -> bool:
+        keys = [
+            layout.gradient(w, k)
+            for w in range(self.config.workers)
+            for k in range(self.cursors[w], counts[w])
+        ]
+        if not keys:
+            return False
+        accepted = [(h, g) for h, g in self._fetch(keys) if self._accepts(h)]
+        self.discarded += len(keys) - len(accepted)
+        self.cursors = list(counts)
+        if accepted:
+            scale = backlog_scale(len(accepted), self.config.threshold)
+            self._apply([[h["w"], h["k"]] for h, _ in accepted], [g for _, g in accepted], scale)
+        else:
+            self._move_head(self.head_key)  # acknowledge the discarded ones to waiting workers
+        self._forget(keys)
+        return True
+
+    def step_sync(self, counts: list[int], held: dict[int, tuple[dict, torch.Tensor]]) -> bool:
+        progressed = False
+        for w in range(self.config.workers):
+            while w not in held and self.cursors[w] < counts[w]:
+                key = layout.gradient(w, self.cursors[w])
+                header, grad = self._fetch([key])[0]
+                self.cursors[w] += 1
+                progressed = True
+                if self._accepts(header):
+                    held[w] = (header, grad)
+                else:
+                    self.discarded += 1
+                    self._forget([key])
+        missing = [w for w in range(self.config.workers) if w not in held]
+        # A finished worker sends no more gradients: the round completes without it.
+        if missing and any(self.store.get(layout.done(w)) is None for w in missing):
+            return progressed
+        if not held:
+            return progressed
+        order = sorted(held)
+        self._apply(
+            [[held[w][0]["w"], held[w][0]["k"]] for w in order],
+            [held[w][1] for w in order],
+            1.0 / self.config.workers,
+        )
+        self._forget([layout.gradient(held[w][0]["w"], held[w][0]["k"]) for w in order])
+        held.clear()
+        return True
+
+    def serve(self) -> None:
+        """Apply gradients until the runner sets ``stop`` and every queue is drained."""
+        held: dict[int, tuple[dict, torch.Tensor]] = {}
+        while True:
+            counts = self._counts()
+            busy = self.step_sync(counts, held) if self.sync else self.step_async(counts)
+            if busy:
+                continue
+            if self.store.get(layout.STOP) is not None and self._counts() == self.cursors:
+                return
+            time.sleep(0.002)

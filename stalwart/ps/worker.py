@@ -1,0 +1,165 @@
+"""A data-parallel worker: read the newest weights, compute a gradient, queue it in the store.
+
+How a worker waits is the mode's consistency model:
+- synchronous modes: after pushing, wait until the PS has published weights newer than the ones
+  the gradient was computed on (a PS that is down leaves the worker idle);
+- asynchronous checkpoint/chain modes: wait until the PS has taken the gradient (the reply of a
+  push to a stateful server; a dead server never replies, so the worker idles);
+- stateless: never wait. Keep computing on the newest weights in the store, whether or not a PS
+  is alive; every gradient is applied once the PS is back.
+
+Every gradient carries its id ``(worker, step)``; the worker's report lists when each was pushed,
+the seconds it spent waiting for the PS and how often it had to retry the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+from stalwart.errors import StoreUnavailableError
+from stalwart.ps import layout
+from stalwart.ps.config import PSConfig
+from stalwart.ps.model import DigitsCNN, flatten, unflatten_into
+from stalwart.ps.store import RetryingStore
+from stalwart.ps.wire import pack, unpack
+
+#: Seconds between polls of the head while waiting for the PS.
+POLL = 0.002
+#: The training split, written by the runner so that workers start without importing sklearn.
+DATA_FILE = "train.pt"
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write ``data`` atomically (temp file + rename)."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(data, handle)
+    os.replace(tmp, path)
+
+
+class Worker:
+    """Worker ``index`` of a run.
+
+    Args:
+        config: the run.
+        store: the shared store (a :class:`RetryingStore`, so outages are retried and counted).
+        index: this worker's id, 0 <= index < config.workers.
+
+    Example:
+        >>> Worker(config, store, 0).run()  # doctest: +SKIP
+    """
+
+    def __init__(self, config: PSConfig, store: RetryingStore, index: int) -> None:
+        self.config = config
+        self.store = store
+        self.index = index
+        self.model = DigitsCNN(config.hidden)
+        data = torch.load(os.path.join(config.run_dir, DATA_FILE))
+        self.x, self.y = data["x"], data["y"]
+        self.generator = torch.Generator().manual_seed(config.seed * 1000 + index)
+        torch.manual_seed(config.seed * 1000 + index)  # dropout masks differ per worker
+        self.order = torch.empty(0, dtype=torch.long)
+        self.position = 0
+        self.head_key = ""
+        self.idle = 0.0
+        self.pushed: list[list] = []
+
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.position + self.config.batch_size > len(self.order):
+            self.order = torch.randperm(len(self.x), generator=self.generator)
+            self.position = 0
+        take = self.order[self.position : self.position + self.config.batch_size]
+        self.position += self.config.batch_size
+        return self.x[take], self.y[take]
+
+    def _head(self) -> dict:
+        return json.loads(self.store.get(layout.HEAD))
+
+    def _refresh(self) -> bool:
+        """Load the newest committed weights; False if they were collected under our feet."""
+        head = self._head()
+        if head["key"] == self.head_key:
+            return True
+        blob = self.store.get(layout.state(head["key"]))
+        if blob is None:
+            return False
+        _, weights = unpack(blob)
+        unflatten_into(self.model, weights)
+        self.head_key = head["key"]
+        return True
+
+    def _wait(self, ready) -> None:
+        started = time.monotonic()
+        last_stop_check = started
+        while not ready(self._head()):
+            time.sleep(POLL)
+            if time.monotonic() - last_stop_check > 0.05:
+                last_stop_check = time.monotonic()
+                if self.store.get(layout.HALT) is not None:
+                    break
+        self.idle += time.monotonic() - started
+
+    def _gradient(self) -> torch.Tensor:
+        x, y = self._batch()
+        self.model.train()
+        self.model.zero_grad(set_to_none=False)
+        nn.functional.cross_entropy(self.model(x), y).backward()
+        return flatten([p.grad for p in self.model.parameters()])
+
+    def run(self) -> None:
+        """Compute ``config.steps`` gradients (or fewer if the run is stopped)."""
+        mode = self.config.mode
+        # Start together: the clock of the accuracy-vs-time plot starts when all are ready.
+        self.store.set(layout.ready(self.index), b"1")
+        while self.store.get(layout.GO) is None:
+            time.sleep(0.01)
+        step = 0
+        while step < self.config.steps:
+            if self.store.get(layout.HALT) is not None:
+                break
+            if not self._refresh():
+                continue
+            base = self.head_key
+            grad = self._gradient()
+            header = {"w": self.index, "k": step, "base": base, "t": time.time()}
+            self.store.set(layout.gradient(self.index, step), pack(header, grad))
+            # Only this worker writes its count, so a retried set cannot double-count.
+            self.store.set(layout.count(self.index), str(step + 1).encode())
+            # Stamped once it is in the queue: whatever reads the queue later sees it.
+            self.pushed.append([step, time.time(), base])
+            k = step
+            step += 1
+            if mode.endswith("-sync"):
+                self._wait(lambda head, base=base: head["key"] != base)
+            elif mode != "stateless":
+                self._wait(lambda head, k=k: head["cursors"][self.index] > k)
+        self.store.set(layout.done(self.index), b"1")
+
+    def report(self, error: str | None = None) -> dict:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return {
+            "worker": self.index, "pushed": self.pushed, "idle": self.idle,
+            "retries": self.store.retries, "outage": self.store.outage_seconds, "error": error,
+            "cpu": usage.ru_utime + usage.ru_stime, "maxrss_kb": usage.ru_maxrss,
+        }  # fmt: skip
+
+
+def main(config: PSConfig, store: RetryingStore, index: int) -> int:
+    """Run worker ``index`` and write its report; exit code 3 if the store stayed unreachable."""
+    worker = Worker(config, store, index)
+    path = os.path.join(config.run_dir, f"worker-{index}.json")
+    try:
+        worker.run()
+    except StoreUnavailableError as exc:
+        write_json(path, worker.report(error=str(exc)))
+        print(f"worker {index}: giving up: {exc}", flush=True)
+        return 3
+    write_json(path, worker.report())
+    return 0

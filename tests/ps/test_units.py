@@ -1,0 +1,153 @@
+"""Fast checks of the pieces: config validation, the update rule, wire format, retry, injector."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from stalwart.errors import ConfigurationError, RunDirectoryError, StoreUnavailableError
+from stalwart.ps.config import KillEvent, PSConfig
+from stalwart.ps.failure import FailureInjector
+from stalwart.ps.runner import run_training
+from stalwart.ps.store import KeyValueStore, RetryingStore
+from stalwart.ps.update import apply_update, backlog_scale
+from stalwart.ps.wire import pack, unpack
+
+
+def test_zero_workers_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigurationError, match="at least one worker"):
+        run_training(PSConfig(workers=0, run_dir=str(tmp_path / "r")))
+
+
+def test_kill_schedule_beyond_the_run_is_a_clear_error(tmp_path):
+    config = PSConfig(workers=2, steps=50, kills=[KillEvent(100, 1.0)], run_dir=str(tmp_path))
+    with pytest.raises(ConfigurationError, match="beyond the run: 2 worker.*100 gradients"):
+        run_training(config)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"mode": "chain-sync", "replicas": 2}, "at least 3"),
+        ({"mode": "nope"}, "choose one of"),
+        ({"kills": [KillEvent(10, 1.0), KillEvent(5, 1.0)]}, "increasing"),
+        ({"kills": [KillEvent(10, -1.0)]}, "downtime"),
+        ({"kills": [KillEvent(10, 1.0, ("head",))]}, "targets"),
+        ({"mode": "chain-async", "kills": [KillEvent(10, 1.0, ("secondary",))]}, "with the head"),
+    ],
+)
+def test_bad_configurations(changes, message):
+    with pytest.raises(ConfigurationError, match=message):
+        PSConfig(**changes).validate()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_unreachable_store_at_start_is_a_clear_error(tmp_path):
+    address = f"127.0.0.1:{_free_port()}"
+    config = PSConfig(store_address=address, store_patience=1.0, run_dir=str(tmp_path / "r"))
+    with pytest.raises(StoreUnavailableError, match=f"cannot reach the store at {address}"):
+        run_training(config)
+
+
+def test_run_directory_in_use_is_refused(tmp_path):
+    (tmp_path / "checkpoint.pt").write_bytes(b"someone else's")
+    with pytest.raises(RunDirectoryError, match="not empty"):
+        run_training(PSConfig(run_dir=str(tmp_path)))
+    assert (tmp_path / "checkpoint.pt").read_bytes() == b"someone else's"
+
+
+def test_backlog_scale_lowers_the_rate_only_for_a_large_backlog():
+    assert backlog_scale(3, 4) == 1.0
+    assert backlog_scale(40, 4) == pytest.approx(1 / 40)  # the backlog's mean, at the base rate
+
+
+def test_update_rule_and_wire_roundtrip():
+    weights = torch.randn(10)
+    grads = torch.randn(3, 10)
+    expected = weights - 0.5 * 0.1 * grads.sum(0)
+    assert torch.equal(apply_update(weights, grads, 0.1, 0.5), expected)
+    header, vector = unpack(pack({"a": [1, 2]}, weights))
+    assert header == {"a": [1, 2]} and torch.equal(vector, weights)
+
+
+class _FlakyStore(KeyValueStore):
+    """Fails the first ``failures`` connections, like a store that is restarting."""
+
+    address = "flaky:0"
+    attempts = 0
+
+    def __init__(self, failures: int) -> None:
+        type(self).attempts += 1
+        if type(self).attempts <= failures:
+            raise RuntimeError("connection refused")
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key, value):
+        self.data[key] = value
+
+    def get(self, key):
+        return self.data.get(key)
+
+    def get_many(self, keys):
+        return [self.data[k] for k in keys]
+
+    def add(self, key, amount):
+        value = int(self.data.get(key, b"0")) + amount
+        self.data[key] = str(value).encode()
+        return value
+
+    def compare_set(self, key, expected, desired):
+        if self.data.get(key, b"") == expected:
+            self.data[key] = desired
+            return True
+        return False
+
+    def delete(self, key):
+        self.data.pop(key, None)
+
+
+def test_retrying_store_backs_off_then_recovers(capsys):
+    _FlakyStore.attempts = 0
+    store = RetryingStore(lambda: _FlakyStore(3), patience=5, first_delay=0.01, name="w0")
+    store.set("k", b"v")
+    assert store.get("k") == b"v"
+    assert store.retries == 3
+    err = capsys.readouterr().err
+    assert "retry 1 in 0.01s" in err and "retry 3 in 0.04s" in err  # doubling backoff
+    assert "answers again" in err
+
+
+def test_retrying_store_gives_up_after_its_patience():
+    _FlakyStore.attempts = 0
+    with pytest.raises(StoreUnavailableError, match="did not answer for .*retries with backoff"):
+        RetryingStore(lambda: _FlakyStore(10**6), patience=0.3, first_delay=0.05)
+
+
+def test_injector_waits_for_recovery_before_the_next_kill():
+    killed, restarted = [], []
+    up = {"value": True}
+    injector = FailureInjector(
+        [KillEvent(10, 0.0), KillEvent(20, 0.0)],
+        kill=lambda targets: killed.append(targets) or [1],
+        restart=lambda targets: restarted.append(targets),
+        server_up=lambda: up["value"],
+    )
+    injector.poll(5)
+    assert not killed
+    injector.poll(10)
+    assert len(killed) == 1 and injector.pending
+    up["value"] = False
+    injector.poll(25)  # restart due (downtime 0)
+    assert len(restarted) == 1
+    injector.poll(25)  # not recovered yet: no second kill on the same outage
+    assert len(killed) == 1
+    up["value"] = True
+    injector.poll(25)
+    assert len(killed) == 2 and not injector.unfired() and injector.pending
