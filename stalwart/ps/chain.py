@@ -43,7 +43,6 @@ class Successor:
         self.index = index
         self.conn: Connection | None = None
         self.successor: int | None = None
-        self.latest: bytes | None = None
 
     def find(self) -> bool:
         """Connect to the first live replica after this one; True when connected."""
@@ -60,14 +59,11 @@ class Successor:
                 continue  # that replica is dead: try the next one
             self.successor = j
             self.store.set(layout.chain_successor(self.index), str(j).encode())
-            if self.latest is not None:
-                return self.send(self.latest)
             return True
         return False
 
     def send(self, blob: bytes) -> bool:
         """Forward ``blob`` and wait for the acknowledgement; False if no successor took it."""
-        self.latest = blob
         for _ in range(3):
             if not self.find():
                 return False
@@ -106,6 +102,9 @@ class Replica:
         self._forwarding = True
 
     def _forward_loop(self) -> None:
+        # Also runs when nothing new arrived: a tail must link up with a replica that joined
+        # after it (and hand it the weights) without waiting for the head's next replication,
+        # or the chain stays one copy short exactly when the next failure may come.
         sent: bytes | None = None
         while self._forwarding:
             self._fresh.wait(0.2)
@@ -114,7 +113,9 @@ class Replica:
                 if not self._forwarding:
                     return
                 blob = self.snapshot
-                if blob is not None and blob is not sent and self.successor.send(blob):
+                linked = self.successor.conn is not None
+                fresh = blob is not None and (blob is not sent or not linked)
+                if fresh and self.successor.send(blob):
                     sent = blob
 
     def _follow(self) -> float:
@@ -125,9 +126,12 @@ class Replica:
         try:
             while True:
                 blob = upstream.recv_bytes()
+                first = self.snapshot is None
                 self.snapshot = blob
                 upstream.send_bytes(b"ack")
                 self._fresh.set()
+                if first:  # the chain counts this replica as a copy from now on
+                    self.store.set(layout.chain_held(self.index), b"1")
         except (EOFError, OSError):
             detected = time.time()
         with self._lock:
@@ -154,6 +158,7 @@ class Replica:
             blob = server.recover(
                 "memory", snapshot=self.snapshot, detected_at=detected, index=self.index
             )
+        self.store.set(layout.chain_held(self.index), b"1")
         self.store.set(layout.CHAIN_HEAD, str(self.index).encode())
         # The successor starts from the weights we serve, before any update.
         self.successor.send(blob)

@@ -38,7 +38,10 @@ def connect(config: PSConfig, name: str) -> RetryingStore:
 
 def spawn(role: str, config_path: str, *args: str, log_path: str) -> subprocess.Popen:
     """Start ``role`` in a new process whose output goes to ``log_path``."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+        STALWART_PS_PARENT=str(os.getpid()),
+    )  # fmt: skip
     log = open(log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
     try:
         return subprocess.Popen(
@@ -67,7 +70,25 @@ def _wait_for_role(store: KeyValueStore, spare: str) -> tuple[str, list[str]]:
     return role, args
 
 
+def _die_with_parent() -> None:
+    """Linux: get SIGKILLed when the runner dies, so a killed runner leaves no orphans behind.
+
+    (Its own ``finally`` reaps everything on an exception or a timeout; this covers a runner that
+    was itself SIGKILLed.)
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    if str(os.getppid()) != os.environ.get("STALWART_PS_PARENT"):
+        os._exit(1)  # the runner died before the request took effect
+
+
 def _main(argv: list[str]) -> int:
+    _die_with_parent()
     role, config_path, *args = argv
     if role == "store":
         from stalwart.ps.store import serve_tcpstore

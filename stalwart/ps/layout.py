@@ -11,7 +11,8 @@
 ``epoch``             counter: each PS incarnation takes the next number.
 ``event/E``           how incarnation E started (source, version, backlog, takeover time).
 ``checkpointed``      lineage ref of the newest checkpoint on disk (audit only).
-``chain/...``         chain replication membership: addresses, the head, successors.
+``chain/...``         chain replication membership: addresses, the head, successors, and which
+                      replicas hold a copy of the weights (``chain/held/I``).
 ``spare/S/...``       a pre-started process waiting to be assigned a role by a restart.
 """
 
@@ -71,3 +72,7 @@ def chain_address(index: int) -> str:
 
 def chain_successor(index: int) -> str:
     return f"chain/succ/{index}"
+
+
+def chain_held(index: int) -> str:
+    return f"chain/held/{index}"

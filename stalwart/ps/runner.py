@@ -40,6 +40,8 @@ from stalwart.ps.worker import DATA_FILE
 
 #: Seconds between accuracy samples of the committed weights.
 EVAL_EVERY = 0.25
+#: Seconds past a kill's downtime within which some server must have recovered and committed.
+RECOVERY_LIMIT = 60.0
 
 
 @dataclass
@@ -246,13 +248,34 @@ class Run:
 
     def server_up(self) -> bool:
         """The newest PS incarnation has recovered and applied an update of its own (for the
-        stateless PS that is the backlog), so a next kill hits a serving PS, not a recovery."""
+        stateless PS that is the backlog), so a next kill hits a serving PS, not a recovery.
+        A chain must also be whole again: ``replicas`` live members that hold the weights."""
         version = [int(part) for part in json.loads(self.store.get(layout.HEAD))["key"].split("/")]
         epoch = self.store.add(layout.EPOCH, 0)
         raw = self.store.get(layout.event(epoch)) if epoch >= 1 else None
         if raw is None or version[0] != epoch:
             return False
-        return epoch == 1 or version[1] > json.loads(raw)["version"]
+        serving = epoch == 1 or version[1] > json.loads(raw)["version"]
+        return serving and (not self.chain or len(self._chain_copies()) >= self.config.replicas)
+
+    def _chain_copies(self) -> list[int]:
+        """The live replicas from the head down the successor links that hold the weights."""
+        head = self.store.get(layout.CHAIN_HEAD)
+        if head is None:
+            return []
+        index = int(head)
+        copies: list[int] = []
+        while (
+            index not in copies
+            and self._alive(self.server_pids[index])
+            and self.store.get(layout.chain_held(index)) is not None
+        ):
+            copies.append(index)
+            successor = self.store.get(layout.chain_successor(index))
+            if successor is None:
+                break
+            index = int(successor)
+        return copies
 
     # -- failure injection ---------------------------------------------------------------------
     def _targets(self, targets: tuple[str, ...]) -> list[int]:
@@ -269,7 +292,8 @@ class Run:
 
     def kill(self, targets: tuple[str, ...]) -> list[int]:
         pids = [self.server_pids[i] for i in self._targets(targets)]
-        for pid in pids:
+        # Downstream first: a secondary that outlived its head by a moment could take over.
+        for pid in reversed(pids):
             os.kill(pid, signal.SIGKILL)
         self.progress(f"  SIGKILL {targets} pid(s) {pids} at {self.produced} gradients")
         return pids
@@ -335,6 +359,7 @@ class Run:
         # Every process loads (imports torch) at the same time; training starts when all are ready.
         self._start_servers()
         injector = FailureInjector(config.kills, self.kill, self.restart, self.server_up)
+        self._recovered: set[int] = set()
         workers = [self._spawn("worker", str(w)) for w in range(config.workers)]
         self.spares: list[tuple[str, int]] = []
         self.used_spares: list[tuple[str, int]] = []
@@ -375,6 +400,7 @@ class Run:
                         f"gradients, accuracy {acc:.3f}, {now - self.t0:.0f}s"
                     )
                 self._check_servers(injector)
+                self._check_recovery(injector, now)
                 if (
                     all(self.procs[p].exit_code is not None for p in workers)
                     and not injector.pending
@@ -425,6 +451,32 @@ class Run:
             if proc.exit_code is not None and pid not in killed:
                 raise StalwartError(f"a {proc.role} process exited unexpectedly "
                                     f"({proc.exit_code}):\n{self._log_tail(pid)}")  # fmt: skip
+
+    def _check_recovery(self, injector: FailureInjector, now: float) -> None:
+        """Every kill is followed by a recovery; fail with a clear error instead of hanging."""
+        for number, kill in enumerate(injector.kills):
+            if kill.killed_at is None or number in self._recovered:
+                continue
+            epoch = self.store.add(layout.EPOCH, 0)
+            raw = self.store.get(layout.event(epoch))
+            if raw is not None and json.loads(raw)["committed"] > kill.killed_at:
+                self._recovered.add(number)
+                continue
+            if self.chain and not any(
+                self._alive(pid) and self.store.get(layout.chain_held(index)) is not None
+                for index, pid in self.server_pids.items()
+            ):
+                raise StalwartError(
+                    f"the kill of {kill.event.targets} at {kill.produced} gradients left no live "
+                    "replica holding the weights: chain replication cannot recover. Use more "
+                    "replicas or let the chain re-form before the next kill."
+                )
+            if now - kill.killed_at > kill.event.downtime + RECOVERY_LIMIT:
+                pid = self.server_pids[max(self.server_pids)]  # the newest server
+                raise StalwartError(
+                    f"no parameter server recovered within {RECOVERY_LIMIT:.0f}s of the restart "
+                    f"after the kill at {kill.produced} gradients:\n{self._log_tail(pid)}"
+                )
 
     def _store_lost(self, workers: list[int], cause: StoreUnavailableError | None) -> None:
         """The store vanished: let the workers finish retrying, keep the last committed weights."""

@@ -89,11 +89,6 @@ def test_stateless_ps_survives_sigkill_and_a_store_outage(tmp_path):
         assert "answers again" in logs
 
 
-@pytest.mark.xfail(
-    run=False,
-    reason="known failing: passed before the last runner changes (restart handshake, spares); "
-    "since then the double kill hangs until the pytest timeout. Open in issue 8.",
-)
 def test_chain_replication_takes_over_from_memory_and_survives_a_double_kill(tmp_path):
     config = PSConfig(
         mode="chain-async", workers=2, steps=110, replicas=3, replicate_every=5,
