@@ -13,23 +13,35 @@ TARGETS = ("ps", "head", "secondary")
 
 @dataclass(frozen=True)
 class KillEvent:
-    """SIGKILL ``targets`` once the workers have produced ``at_gradient`` gradients in total, and
-    start a replacement ``downtime`` seconds later.
+    """SIGKILL ``targets`` at a point of the run, and start a replacement ``downtime`` seconds
+    later. The point is either a gradient count or a time; give exactly one.
 
     Args:
-        at_gradient: the trigger, in gradients produced by all workers together (mode-independent).
+        at_gradient: the trigger in gradients produced by all workers together: the same amount
+            of work in every mode (tests use it: it does not depend on the machine's speed).
         downtime: seconds between the kill and the restart.
         targets: ``("ps",)`` for checkpoint/stateless modes; ``("head",)`` or
             ``("head", "secondary")`` (a double kill) for chain replication.
+        at_seconds: the trigger in seconds since the workers started: the same point on an
+            accuracy-vs-time plot in every mode (the experiment uses it; modes produce gradients
+            at different rates, so a gradient count would kill a faster mode earlier).
 
     Example:
         >>> KillEvent(at_gradient=100, downtime=2.0)
-        KillEvent(at_gradient=100, downtime=2.0, targets=('ps',))
+        KillEvent(at_gradient=100, downtime=2.0, targets=('ps',), at_seconds=None)
+        >>> KillEvent(at_seconds=5.0, downtime=2.0).at_seconds
+        5.0
     """
 
-    at_gradient: int
+    at_gradient: int | None = None
     downtime: float = 2.0
     targets: tuple[str, ...] = ("ps",)
+    at_seconds: float | None = None
+
+    @property
+    def position(self) -> float:
+        """Where the event sits in its schedule (gradients or seconds)."""
+        return float(self.at_gradient if self.at_gradient is not None else self.at_seconds or 0)
 
 
 @dataclass
@@ -111,17 +123,37 @@ class PSConfig:
             raise ConfigurationError(f"duration {self.duration}: must be >= 0 seconds.")
         if self.store_patience <= 0:
             raise ConfigurationError("store_patience must be positive (seconds).")
-        previous = 0
+        self._validate_kills()
+
+    def _validate_kills(self) -> None:
+        by_time = [event.at_seconds is not None for event in self.kills]
+        if any(by_time) and not all(by_time):
+            raise ConfigurationError(
+                "kill events: schedule all of them by at_gradient or all by at_seconds."
+            )
+        previous = 0.0
         for event in self.kills:
-            if not 0 < event.at_gradient < self.total_gradients:
+            if (event.at_gradient is None) == (event.at_seconds is None):
+                raise ConfigurationError(
+                    f"{event}: give exactly one of at_gradient (a gradient count) or at_seconds."
+                )
+            if event.at_gradient is not None and not 0 < event.at_gradient < self.total_gradients:
                 raise ConfigurationError(
                     f"kill at gradient {event.at_gradient} is beyond the run: {self.workers} "
                     f"worker(s) x {self.steps} steps produce {self.total_gradients} gradients; "
                     f"schedule kills between 1 and {self.total_gradients - 1}, or lengthen the run."
                 )
-            if event.at_gradient <= previous:
+            if event.at_seconds is not None and (
+                event.at_seconds <= 0 or (self.duration and event.at_seconds >= self.duration)
+            ):
                 raise ConfigurationError(
-                    "kill events must be in strictly increasing order of at_gradient."
+                    f"kill at {event.at_seconds} s is outside the run (duration "
+                    f"{self.duration or 'unbounded'} s): schedule it after 0 s and before the "
+                    "end, or lengthen the run."
+                )
+            if event.position <= previous:
+                raise ConfigurationError(
+                    "kill events must be in strictly increasing order of their trigger."
                 )
             if event.downtime < 0:
                 raise ConfigurationError(f"downtime {event.downtime}: must be >= 0 seconds.")
@@ -134,7 +166,7 @@ class PSConfig:
                 raise ConfigurationError(
                     "a secondary kill is only supported together with the head."
                 )
-            previous = event.at_gradient
+            previous = event.position
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -143,6 +175,7 @@ class PSConfig:
     def from_json(cls, text: str) -> PSConfig:
         data = json.loads(text)
         data["kills"] = [
-            KillEvent(k["at_gradient"], k["downtime"], tuple(k["targets"])) for k in data["kills"]
+            KillEvent(k["at_gradient"], k["downtime"], tuple(k["targets"]), k.get("at_seconds"))
+            for k in data["kills"]
         ]
         return cls(**data)

@@ -1,4 +1,5 @@
-"""The failure injector: SIGKILL the PS (or chain replicas) at a gradient count, restart later.
+"""The failure injector: SIGKILL the PS (or chain replicas) at a gradient count or a time, restart
+after the downtime.
 
 It only decides *when* and *whom*; the runner owns the processes and does the killing and the
 restarting through the two callbacks, so the injector is easy to test and to reuse.
@@ -33,6 +34,8 @@ class FailureInjector:
         restart: ``restart(targets)`` starts replacements.
         server_up: True when the current PS has recovered (the next kill waits for it, so two
             kills never land on one outage).
+        started: when the run's clock started (epoch seconds), for ``at_seconds`` events; the
+            runner sets it once the workers start.
 
     Example:
         >>> injector = FailureInjector([KillEvent(100, 2.0)], kill, restart, up)  # doctest: +SKIP
@@ -45,8 +48,10 @@ class FailureInjector:
         kill: Callable[[tuple[str, ...]], list[int]],
         restart: Callable[[tuple[str, ...]], None],
         server_up: Callable[[], bool],
+        started: float | None = None,
     ) -> None:
         self.kills = [Kill(event) for event in events]
+        self.started = time.time() if started is None else started
         self._kill = kill
         self._restart = restart
         self._server_up = server_up
@@ -66,11 +71,16 @@ class FailureInjector:
                     kill.restarted_at = time.time()
                 return
             if kill.killed_at is None:
-                if produced >= kill.event.at_gradient and self._server_up():
+                if self._due(kill.event, produced, now) and self._server_up():
                     kill.pids = self._kill(kill.event.targets)
                     kill.killed_at = time.time()
                     kill.produced = produced
                 return
+
+    def _due(self, event: KillEvent, produced: int, now: float) -> bool:
+        if event.at_seconds is not None:
+            return now - self.started >= event.at_seconds
+        return event.at_gradient is not None and produced >= event.at_gradient
 
     def unfired(self) -> list[KillEvent]:
         """Events that never fired (the run ended first)."""

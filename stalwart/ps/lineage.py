@@ -18,8 +18,8 @@ from stalwart.ps import layout
 from stalwart.ps.config import PSConfig
 from stalwart.ps.model import initial_weights
 from stalwart.ps.store import KeyValueStore
-from stalwart.ps.update import apply_update
-from stalwart.ps.wire import unpack, unpack_header
+from stalwart.ps.update import apply_update, gradient_sum
+from stalwart.ps.wire import unpack, unpack_header, vector_view
 
 
 @dataclass
@@ -81,6 +81,6 @@ def replay(store: KeyValueStore, config: PSConfig, records: list[Record]) -> tor
     weights = initial_weights(config.seed, config.hidden)
     for record in records:
         keys = [layout.gradient(w, k) for w, k in record.ids]
-        gradients = torch.stack([unpack(blob)[1] for blob in store.get_many(keys)])
-        weights = apply_update(weights, gradients, record.lr, record.scale)
+        total = gradient_sum(vector_view(blob) for blob in store.get_many(keys))
+        weights = apply_update(weights, total, record.lr, record.scale)
     return weights

@@ -35,7 +35,7 @@ from stalwart.ps.launch import client_factory, spawn
 from stalwart.ps.lineage import Record, head_lineage, head_state, replay
 from stalwart.ps.model import DigitsCNN, accuracy, initial_weights, load_digits_split
 from stalwart.ps.store import RetryingStore
-from stalwart.ps.wire import pack
+from stalwart.ps.wire import pack, unpack
 from stalwart.ps.worker import DATA_FILE
 
 #: Seconds between accuracy samples of the committed weights.
@@ -51,7 +51,7 @@ class Proc:
     started: float
     exit_code: int | None = None
     cpu: float = 0.0
-    maxrss_kb: int = 0
+    peak_kb: int = 0
     ended: float | None = None
 
 
@@ -157,8 +157,17 @@ class Run:
                 proc.exit_code = os.waitstatus_to_exitcode(status)
                 proc.popen.returncode = proc.exit_code
                 proc.cpu = usage.ru_utime + usage.ru_stime
-                proc.maxrss_kb = usage.ru_maxrss
                 proc.ended = time.time()
+
+    def _sample_memory(self) -> None:
+        """Record each live child's peak resident set so far (VmHWM; Linux).
+
+        ``ru_maxrss`` from ``wait4`` cannot be used: it keeps the high-water mark of the
+        runner's own address space, which the child borrowed between fork and exec.
+        """
+        for pid, proc in self.procs.items():
+            if proc.exit_code is None:
+                proc.peak_kb = max(proc.peak_kb, _peak_rss_kb(pid))
 
     def _alive(self, pid: int) -> bool:
         self._reap()
@@ -244,6 +253,7 @@ class Run:
                 )
             if time.time() > deadline:
                 raise StalwartError(f"timed out waiting for {what}")
+            self._sample_memory()
             time.sleep(0.01)
 
     def server_up(self) -> bool:
@@ -292,6 +302,7 @@ class Run:
 
     def kill(self, targets: tuple[str, ...]) -> list[int]:
         pids = [self.server_pids[i] for i in self._targets(targets)]
+        self._sample_memory()  # the last chance to see the victims' peak memory
         # Downstream first: a secondary that outlived its head by a moment could take over.
         for pid in reversed(pids):
             os.kill(pid, signal.SIGKILL)
@@ -324,9 +335,13 @@ class Run:
 
     # -- the run -------------------------------------------------------------------------------
     def evaluate(self) -> None:
-        key, header, weights = head_state(self.store)
+        key = json.loads(self.store.get(layout.HEAD))["key"]
         if key == self._last_key:
             return
+        blob = self.store.get(layout.state(key))
+        if blob is None:
+            return  # collected: the PS committed newer weights since we read the head
+        header, weights = unpack(blob)
         self._last_key = key
         self._last_weights = weights
         acc = accuracy(self.model, weights, self.x_test, self.y_test)
@@ -374,7 +389,7 @@ class Run:
             self._wait_for(lambda w=w: self.store.get(layout.ready(w)) is not None,
                            f"worker {w} to load", pid)  # fmt: skip
         self.store.set(layout.GO, b"1")
-        self.t0 = time.time()
+        self.t0 = injector.started = time.time()
         last_eval = last_progress = 0.0
         try:
             while True:
@@ -390,6 +405,7 @@ class Run:
                 if self.hook is not None:
                     self.hook(self)
                 if now - last_eval >= EVAL_EVERY:
+                    self._sample_memory()
                     self.evaluate()
                     last_eval = now
                 if now - last_progress >= 5:
@@ -417,7 +433,8 @@ class Run:
         if injector.unfired():
             raise ConfigurationError(
                 f"kill(s) {injector.unfired()} never fired: the run ended at {self.produced} "
-                "gradients (gradients a stateful PS discards still count); schedule them earlier."
+                f"gradients, {time.time() - self.t0:.1f}s (gradients a stateful PS discards still "
+                "count); schedule them earlier."
             )
         self.store.set(layout.STOP, b"1")
         head_pid = self._head_pid() if self.chain else self.server_pids[0]
@@ -533,7 +550,8 @@ class Run:
                 default=kill.restarted_at,
             )
             result.kills.append({
-                "at_gradient": kill.event.at_gradient, "targets": list(kill.event.targets),
+                "at_gradient": kill.event.at_gradient, "at_seconds": kill.event.at_seconds,
+                "targets": list(kill.event.targets),
                 "produced_at_kill": kill.produced, "killed": kill.killed_at - self.t0,
                 "restarted": kill.restarted_at - self.t0, "recovered": recovered - self.t0,
                 "pids": kill.pids,
@@ -549,7 +567,7 @@ class Run:
         server_roles = ("ps", "replica")
         result.server_cpu = sum(p.cpu for p in self.procs.values() if p.role in server_roles)
         for role in ("ps", "replica", "worker", "store"):
-            sizes = [p.maxrss_kb for p in self.procs.values() if p.role == role]
+            sizes = [p.peak_kb for p in self.procs.values() if p.role == role and p.peak_kb]
             if sizes:
                 result.peak_rss_mb[role] = max(sizes) / 1024
         result.store_retries = sum(r["retries"] for r in reports)
@@ -570,6 +588,18 @@ class Run:
             _signal(self.store_pid, signal.SIGTERM)
             _signal(self.store_pid, signal.SIGCONT)  # a test may have stopped it
             self._reap(block_pid=self.store_pid)
+
+
+def _peak_rss_kb(pid: int) -> int:
+    """The peak resident set of process ``pid`` in KiB (0 if unknown or already gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def _signal(pid: int, sig: int) -> None:

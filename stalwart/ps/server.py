@@ -28,8 +28,8 @@ from stalwart.ps import layout
 from stalwart.ps.config import PSConfig
 from stalwart.ps.model import initial_weights
 from stalwart.ps.store import KeyValueStore
-from stalwart.ps.update import apply_update, backlog_scale
-from stalwart.ps.wire import pack, unpack
+from stalwart.ps.update import apply_update, backlog_scale, gradient_sum
+from stalwart.ps.wire import pack, unpack, unpack_header, vector_view
 
 #: Gradients fetched per store round trip while draining a backlog (bounds one message's size).
 FETCH_CHUNK = 64
@@ -191,9 +191,10 @@ class ParameterServer:
             )
         self.head_raw, self.head_key = desired, key
 
-    def _apply(self, ids: list[list[int]], gradients: list[torch.Tensor], scale: float) -> None:
+    def _apply(self, ids: list[list[int]], gradients: list[bytes], scale: float) -> None:
         parent = self.ref
-        self.weights = apply_update(self.weights, torch.stack(gradients), self.config.lr, scale)
+        total = gradient_sum(vector_view(blob) for blob in gradients)
+        self.weights = apply_update(self.weights, total, self.config.lr, scale)
         self.version += 1
         blob = self._commit({
             "ids": ids, "lr": self.config.lr, "scale": scale, "parent": parent, "t": time.time(),
@@ -206,10 +207,12 @@ class ParameterServer:
             self.replicate(blob)
 
     # -- serving -------------------------------------------------------------------------------
-    def _fetch(self, keys: list[str]) -> list[tuple[dict, torch.Tensor]]:
-        out: list[tuple[dict, torch.Tensor]] = []
+    def _fetch(self, keys: list[str]) -> list[tuple[dict, bytes]]:
+        """The gradients under ``keys``: their headers and their raw bytes (summed in place)."""
+        out: list[tuple[dict, bytes]] = []
         for start in range(0, len(keys), FETCH_CHUNK):
-            out += [unpack(b) for b in self.store.get_many(keys[start : start + FETCH_CHUNK])]
+            blobs = self.store.get_many(keys[start : start + FETCH_CHUNK])
+            out += [(unpack_header(blob), blob) for blob in blobs]
         return out
 
     def _accepts(self, header: dict) -> bool:
@@ -245,7 +248,7 @@ class ParameterServer:
         self._forget(keys)
         return True
 
-    def step_sync(self, counts: list[int], held: dict[int, tuple[dict, torch.Tensor]]) -> bool:
+    def step_sync(self, counts: list[int], held: dict[int, tuple[dict, bytes]]) -> bool:
         progressed = False
         for w in range(self.config.workers):
             while w not in held and self.cursors[w] < counts[w]:
@@ -276,7 +279,7 @@ class ParameterServer:
 
     def serve(self) -> None:
         """Apply gradients until the runner sets ``stop`` and every queue is drained."""
-        held: dict[int, tuple[dict, torch.Tensor]] = {}
+        held: dict[int, tuple[dict, bytes]] = {}
         while True:
             counts = self._counts()
             busy = self.step_sync(counts, held) if self.sync else self.step_async(counts)

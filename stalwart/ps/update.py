@@ -1,6 +1,7 @@
 """The one update rule every mode uses, so that an audit replay reproduces the weights bit for bit.
 
-``weights - lr * scale * sum(gradients)``. Synchronous modes use ``scale = 1 / N`` (the mean over
+``weights - lr * scale * sum(gradients)``, the sum taken by :func:`gradient_sum` in the order
+the audit record lists the gradients. Synchronous modes use ``scale = 1 / N`` (the mean over
 the N workers); asynchronous modes apply every gradient at full rate (``scale = 1``) unless a
 backlog piled up while the PS was down, when :func:`backlog_scale` lowers it: the paper found
 that tuning the learning rate down for a large number of pending gradients helps.
@@ -8,6 +9,9 @@ that tuning the learning rate down for a large number of pending gradients helps
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import numpy as np
 import torch
 
 
@@ -21,8 +25,25 @@ def backlog_scale(pending: int, threshold: int) -> float:
     return 1.0 if pending <= threshold else 1.0 / pending
 
 
+def gradient_sum(vectors: Iterable[np.ndarray]) -> torch.Tensor:
+    """The float32 sum of flat gradient vectors, accumulated in the given order.
+
+    A running sum over (read-only) views of the received bytes: a backlog of hundreds of
+    gradients is never copied or stacked into one (k, d) tensor, which cost more than fetching it.
+    """
+    total: np.ndarray | None = None
+    for vector in vectors:
+        if total is None:
+            total = np.array(vector, dtype=np.float32)  # a writable copy of the first
+        else:
+            np.add(total, vector, out=total)
+    if total is None:
+        raise ValueError("gradient_sum needs at least one gradient")
+    return torch.from_numpy(total)
+
+
 def apply_update(
-    weights: torch.Tensor, gradients: torch.Tensor, lr: float, scale: float
+    weights: torch.Tensor, total: torch.Tensor, lr: float, scale: float
 ) -> torch.Tensor:
-    """New weights from ``weights`` and a (k, d) stack of gradients."""
-    return weights - (lr * scale) * gradients.sum(dim=0)
+    """New weights from ``weights`` and the :func:`gradient_sum` of the update's gradients."""
+    return weights - (lr * scale) * total

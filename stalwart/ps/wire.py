@@ -31,6 +31,12 @@ def unpack(blob: bytes) -> tuple[dict, torch.Tensor]:
     return header, torch.from_numpy(vector)
 
 
+def vector_view(blob: bytes) -> np.ndarray:
+    """The vector of a :func:`pack` blob as a read-only view (no copy): for summing gradients."""
+    (length,) = _LENGTH.unpack_from(blob)
+    return np.frombuffer(blob, dtype=np.float32, offset=_LENGTH.size + length)
+
+
 def unpack_header(blob: bytes) -> dict:
     """Only the header of a :func:`pack` blob."""
     (length,) = _LENGTH.unpack_from(blob)

@@ -147,7 +147,7 @@ class Worker:
         return {
             "worker": self.index, "pushed": self.pushed, "idle": self.idle,
             "retries": self.store.retries, "outage": self.store.outage_seconds, "error": error,
-            "cpu": usage.ru_utime + usage.ru_stime, "maxrss_kb": usage.ru_maxrss,
+            "cpu": usage.ru_utime + usage.ru_stime,
         }  # fmt: skip
 
 

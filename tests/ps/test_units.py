@@ -12,8 +12,8 @@ from stalwart.ps.config import KillEvent, PSConfig
 from stalwart.ps.failure import FailureInjector
 from stalwart.ps.runner import run_training
 from stalwart.ps.store import KeyValueStore, RetryingStore
-from stalwart.ps.update import apply_update, backlog_scale
-from stalwart.ps.wire import pack, unpack
+from stalwart.ps.update import apply_update, backlog_scale, gradient_sum
+from stalwart.ps.wire import pack, unpack, vector_view
 
 
 def test_zero_workers_is_a_clear_error(tmp_path):
@@ -36,6 +36,11 @@ def test_kill_schedule_beyond_the_run_is_a_clear_error(tmp_path):
         ({"kills": [KillEvent(10, -1.0)]}, "downtime"),
         ({"kills": [KillEvent(10, 1.0, ("head",))]}, "targets"),
         ({"mode": "chain-async", "kills": [KillEvent(10, 1.0, ("secondary",))]}, "with the head"),
+        ({"kills": [KillEvent(downtime=1.0)]}, "exactly one of"),
+        ({"kills": [KillEvent(10, at_seconds=2.0)]}, "exactly one of"),
+        ({"kills": [KillEvent(10), KillEvent(at_seconds=2.0)]}, "all by at_seconds"),
+        ({"duration": 5.0, "kills": [KillEvent(at_seconds=6.0)]}, "outside the run"),
+        ({"kills": [KillEvent(at_seconds=3.0), KillEvent(at_seconds=2.0)]}, "increasing"),
     ],
 )
 def test_bad_configurations(changes, message):
@@ -71,8 +76,13 @@ def test_backlog_scale_lowers_the_rate_only_for_a_large_backlog():
 def test_update_rule_and_wire_roundtrip():
     weights = torch.randn(10)
     grads = torch.randn(3, 10)
-    expected = weights - 0.5 * 0.1 * grads.sum(0)
-    assert torch.equal(apply_update(weights, grads, 0.1, 0.5), expected)
+    blobs = [pack({"k": k}, g) for k, g in enumerate(grads)]
+    total = gradient_sum(vector_view(blob) for blob in blobs)
+    assert torch.allclose(total, grads.sum(0))
+    expected = weights - 0.5 * 0.1 * total
+    assert torch.equal(apply_update(weights, total, 0.1, 0.5), expected)
+    assert all(torch.equal(total, gradient_sum(vector_view(b) for b in blobs)) for _ in range(3))
+    assert torch.equal(grads[0], unpack(blobs[0])[1])  # the sum did not write into the bytes
     header, vector = unpack(pack({"a": [1, 2]}, weights))
     assert header == {"a": [1, 2]} and torch.equal(vector, weights)
 
@@ -151,3 +161,18 @@ def test_injector_waits_for_recovery_before_the_next_kill():
     up["value"] = True
     injector.poll(25)
     assert len(killed) == 2 and not injector.unfired() and injector.pending
+
+
+def test_injector_kills_at_a_time_whatever_the_progress():
+    killed = []
+    injector = FailureInjector(
+        [KillEvent(at_seconds=2.0, downtime=1.0)],
+        kill=lambda targets: killed.append(targets) or [1],
+        restart=lambda targets: None,
+        server_up=lambda: True,
+        started=100.0,
+    )
+    injector.poll(10**6, now=101.9)
+    assert not killed
+    injector.poll(0, now=102.0)
+    assert killed == [("ps",)] and injector.pending
