@@ -82,5 +82,6 @@ def replay(store: KeyValueStore, config: PSConfig, records: list[Record]) -> tor
     for record in records:
         keys = [layout.gradient(w, k) for w, k in record.ids]
         total = gradient_sum(vector_view(blob) for blob in store.get_many(keys))
+        assert total is not None, "an audit record always lists at least one gradient"
         weights = apply_update(weights, total, record.lr, record.scale)
     return weights

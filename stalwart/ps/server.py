@@ -19,8 +19,9 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 
 from stalwart.errors import CorruptCheckpointError, StalwartError
@@ -191,9 +192,8 @@ class ParameterServer:
             )
         self.head_raw, self.head_key = desired, key
 
-    def _apply(self, ids: list[list[int]], gradients: list[bytes], scale: float) -> None:
+    def _apply(self, ids: list[list[int]], total: torch.Tensor, scale: float) -> None:
         parent = self.ref
-        total = gradient_sum(vector_view(blob) for blob in gradients)
         self.weights = apply_update(self.weights, total, self.config.lr, scale)
         self.version += 1
         blob = self._commit({
@@ -207,13 +207,12 @@ class ParameterServer:
             self.replicate(blob)
 
     # -- serving -------------------------------------------------------------------------------
-    def _fetch(self, keys: list[str]) -> list[tuple[dict, bytes]]:
-        """The gradients under ``keys``: their headers and their raw bytes (summed in place)."""
-        out: list[tuple[dict, bytes]] = []
+    def _fetch(self, keys: list[str]) -> Iterator[tuple[dict, bytes]]:
+        """The gradients under ``keys`` (headers and raw bytes), a chunk per round trip; lazily,
+        so that only one chunk of a large backlog is in memory at a time."""
         for start in range(0, len(keys), FETCH_CHUNK):
-            blobs = self.store.get_many(keys[start : start + FETCH_CHUNK])
-            out += [(unpack_header(blob), blob) for blob in blobs]
-        return out
+            for blob in self.store.get_many(keys[start : start + FETCH_CHUNK]):
+                yield unpack_header(blob), blob
 
     def _accepts(self, header: dict) -> bool:
         if self.stateless:
@@ -237,12 +236,19 @@ class ParameterServer:
         ]
         if not keys:
             return False
-        accepted = [(h, g) for h, g in self._fetch(keys) if self._accepts(h)]
-        self.discarded += len(keys) - len(accepted)
+        ids: list[list[int]] = []
+
+        def accepted() -> Iterator[np.ndarray]:
+            for header, blob in self._fetch(keys):
+                if self._accepts(header):
+                    ids.append([header["w"], header["k"]])
+                    yield vector_view(blob)
+
+        total = gradient_sum(accepted())
+        self.discarded += len(keys) - len(ids)
         self.cursors = list(counts)
-        if accepted:
-            scale = backlog_scale(len(accepted), self.config.threshold)
-            self._apply([[h["w"], h["k"]] for h, _ in accepted], [g for _, g in accepted], scale)
+        if total is not None:
+            self._apply(ids, total, backlog_scale(len(ids), self.config.threshold))
         else:
             self._move_head(self.head_key)  # acknowledge the discarded ones to waiting workers
         self._forget(keys)
@@ -253,11 +259,11 @@ class ParameterServer:
         for w in range(self.config.workers):
             while w not in held and self.cursors[w] < counts[w]:
                 key = layout.gradient(w, self.cursors[w])
-                header, grad = self._fetch([key])[0]
+                header, blob = next(self._fetch([key]))
                 self.cursors[w] += 1
                 progressed = True
                 if self._accepts(header):
-                    held[w] = (header, grad)
+                    held[w] = (header, blob)
                 else:
                     self.discarded += 1
                     self._forget([key])
@@ -268,10 +274,10 @@ class ParameterServer:
         if not held:
             return progressed
         order = sorted(held)
+        total = gradient_sum(vector_view(held[w][1]) for w in order)
+        assert total is not None
         self._apply(
-            [[held[w][0]["w"], held[w][0]["k"]] for w in order],
-            [held[w][1] for w in order],
-            1.0 / self.config.workers,
+            [[held[w][0]["w"], held[w][0]["k"]] for w in order], total, 1.0 / self.config.workers
         )
         self._forget([layout.gradient(held[w][0]["w"], held[w][0]["k"]) for w in order])
         held.clear()

@@ -25,11 +25,13 @@ def backlog_scale(pending: int, threshold: int) -> float:
     return 1.0 if pending <= threshold else 1.0 / pending
 
 
-def gradient_sum(vectors: Iterable[np.ndarray]) -> torch.Tensor:
-    """The float32 sum of flat gradient vectors, accumulated in the given order.
+def gradient_sum(vectors: Iterable[np.ndarray]) -> torch.Tensor | None:
+    """The float32 sum of flat gradient vectors, accumulated in the given order (None if empty).
 
-    A running sum over (read-only) views of the received bytes: a backlog of hundreds of
-    gradients is never copied or stacked into one (k, d) tensor, which cost more than fetching it.
+    A running sum over (read-only) views of the received bytes, consumed lazily: a backlog of
+    hundreds of gradients is never held, copied or stacked into one (k, d) tensor at once
+    (stacking cost more than fetching it, and holding it is the recovery memory spike the
+    paper reports).
     """
     total: np.ndarray | None = None
     for vector in vectors:
@@ -37,9 +39,7 @@ def gradient_sum(vectors: Iterable[np.ndarray]) -> torch.Tensor:
             total = np.array(vector, dtype=np.float32)  # a writable copy of the first
         else:
             np.add(total, vector, out=total)
-    if total is None:
-        raise ValueError("gradient_sum needs at least one gradient")
-    return torch.from_numpy(total)
+    return None if total is None else torch.from_numpy(total)
 
 
 def apply_update(

@@ -26,10 +26,10 @@ def test_experiment_writes_plot_and_table(tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     row = next(line for line in printed.splitlines() if line.startswith("| stateless | 1 |"))
-    produced, applied, lost = (int(v) for v in row.split("|")[3:6])
+    produced, applied, lost = (int(v) for v in row.split("|")[4:7])
     assert produced == applied > 200 and lost == 0
     png = (out / "accuracy.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    rows = json.loads((out / "results.json").read_text())
+    rows = json.loads((out / "results.json").read_text())["runs"]
     assert rows[0]["mode"] == "stateless" and rows[0]["lost"] == 0
     assert rows[0]["timeline"] and (out / "table.md").exists()

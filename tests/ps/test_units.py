@@ -83,6 +83,7 @@ def test_update_rule_and_wire_roundtrip():
     assert torch.equal(apply_update(weights, total, 0.1, 0.5), expected)
     assert all(torch.equal(total, gradient_sum(vector_view(b) for b in blobs)) for _ in range(3))
     assert torch.equal(grads[0], unpack(blobs[0])[1])  # the sum did not write into the bytes
+    assert gradient_sum(iter([])) is None
     header, vector = unpack(pack({"a": [1, 2]}, weights))
     assert header == {"a": [1, 2]} and torch.equal(vector, weights)
 
