@@ -81,9 +81,15 @@ class RunResult:
     reports: list[dict] = field(default_factory=list)
     lineage: list[Record] = field(default_factory=list)
 
-    def time_to_accuracy(self, target: float) -> float | None:
-        """First time the committed weights reached ``target`` test accuracy (None if never)."""
-        return next((p["t"] for p in self.timeline if p["accuracy"] >= target), None)
+    def time_to_accuracy(self, target: float, window: int = 3) -> float | None:
+        """First time the mean test accuracy of the last ``window`` committed weights sampled
+        reached ``target`` (None if never). The mean keeps one lucky sample of a noisy curve
+        from deciding when a run "got there"."""
+        accuracies = [p["accuracy"] for p in self.timeline]
+        for i in range(window - 1, len(accuracies)):
+            if sum(accuracies[i - window + 1 : i + 1]) / window >= target:
+                return self.timeline[i]["t"]
+        return None
 
     def summary(self) -> dict:
         return {

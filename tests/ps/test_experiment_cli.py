@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 
 from stalwart.cli import main
+from stalwart.ps.config import PSConfig
+from stalwart.ps.experiment import format_ratios, time_to_target_ratios
+from stalwart.ps.runner import RunResult
 
 
 def test_bad_experiment_options_are_clear_errors(tmp_path, capsys):
@@ -33,3 +36,36 @@ def test_experiment_writes_plot_and_table(tmp_path, capsys):
     rows = json.loads((out / "results.json").read_text())["runs"]
     assert rows[0]["mode"] == "stateless" and rows[0]["lost"] == 0
     assert rows[0]["timeline"] and (out / "table.md").exists()
+
+
+def _result(mode: str, kills: int, crossing: float | None, seed: int = 0, wall: float = 20.0):
+    # Accuracy 0.5 until ``crossing``, then 0.95 (three samples, so the moving mean gets there).
+    timeline = [{"t": t, "accuracy": 0.5} for t in (1.0, 2.0, 3.0)]
+    if crossing is not None:
+        timeline += [{"t": crossing + d, "accuracy": 0.95} for d in (-0.2, -0.1, 0.0)]
+    result = RunResult(PSConfig(mode=mode, seed=seed), wall, timeline=timeline)
+    result.kills = [{"killed": 4.0 + 2 * k} for k in range(kills)]
+    return result
+
+
+def test_time_to_target_ratios_are_per_seed_medians_with_bounds_and_delays():
+    results = [
+        _result("checkpoint-async", 0, 6.0), _result("stateless", 0, 5.0),
+        _result("checkpoint-async", 2, 12.0), _result("stateless", 2, 8.0),
+        _result("checkpoint-async", 2, None, seed=1), _result("stateless", 2, 10.0, seed=1),
+        _result("chain-async", 2, 5.0),
+    ]  # fmt: skip
+    ratios = time_to_target_ratios(results, 0.9)
+    pair = ratios["ratios"]["checkpoint-async / stateless, 2 kill(s)"]
+    assert pair["runs"] == [1.5, 2.0] and pair["median"] == 1.75 and pair["lower_bound"]
+    assert ratios["ratios"]["checkpoint-async / chain-async, 2 kill(s)"]["runs"] == [2.4]
+    assert ratios["delay_s"] == {"checkpoint-async 2": 6.0, "stateless 2": 3.0}
+    # chain-async crossed at 5 s, before its second kill at 6 s: flagged, not hidden.
+    assert ratios["reached_before_last_kill"] == ["chain-async, 2 kill(s), seed 0"]
+    assert ">=1.75" in format_ratios(ratios, 0.9)
+
+
+def test_one_lucky_sample_does_not_reach_the_target():
+    result = _result("stateless", 0, None)
+    result.timeline.insert(1, {"t": 1.5, "accuracy": 0.99})
+    assert result.time_to_accuracy(0.9) is None
