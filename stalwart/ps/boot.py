@@ -9,6 +9,7 @@ before importing :mod:`stalwart.ps.launch`.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import types
@@ -19,6 +20,10 @@ if __name__ == "__main__":
     # sys.path[0] is this script's directory: its module names (config, model, ...) must not
     # shadow anything, so replace it by the directory that holds the package.
     sys.path[0] = os.path.dirname(package_dir)
+    # Then whatever the runner could import from (a user's workload module, e.g. a script's
+    # directory), after the interpreter's own paths so nothing of the standard library is shadowed.
+    inherited = json.loads(os.environ.get("STALWART_PS_SYS_PATH", "[]"))
+    sys.path += [entry for entry in inherited if entry not in sys.path]
     package = types.ModuleType("stalwart")
     package.__path__ = [package_dir]
     sys.modules["stalwart"] = package

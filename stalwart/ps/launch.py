@@ -6,6 +6,7 @@ sockets closed by the kernel, nothing flushed.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -41,6 +42,8 @@ def spawn(role: str, config_path: str, *args: str, log_path: str) -> subprocess.
     env = dict(
         os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
         STALWART_PS_PARENT=str(os.getpid()),
+        # The workload may be a user's class: the child must import what the parent can.
+        STALWART_PS_SYS_PATH=json.dumps(sys.path),
     )  # fmt: skip
     log = open(log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
     try:
@@ -58,7 +61,6 @@ def _wait_for_role(store: KeyValueStore, spare: str) -> tuple[str, list[str]]:
     The runner keeps spares ready so that a restart after the downtime costs what restarting a
     process on a machine with a warm worker pool costs, not an ``import torch`` on a busy host.
     """
-    import json
     import time
 
     from stalwart.ps import chain, server  # noqa: F401 - imported now, used after the assignment

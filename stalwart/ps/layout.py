@@ -26,8 +26,10 @@ EPOCH = "epoch"
 CHECKPOINTED = "checkpointed"
 CHAIN_COUNT = "chain/count"
 CHAIN_HEAD = "chain/head"
-#: The lineage ref of the initial weights (rebuilt from the seed, never stored as a log record).
+#: The lineage ref of the initial weights (never a log record).
 INIT = "init"
+#: The state key of the initial weights, published by the runner and never collected.
+INITIAL = "0/0"
 
 
 def state(key: str) -> str:

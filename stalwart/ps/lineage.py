@@ -15,8 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from stalwart.ps import layout
-from stalwart.ps.config import PSConfig
-from stalwart.ps.model import initial_weights
 from stalwart.ps.store import KeyValueStore
 from stalwart.ps.update import apply_update, gradient_sum
 from stalwart.ps.wire import unpack, unpack_header, vector_view
@@ -73,12 +71,12 @@ def head_lineage(store: KeyValueStore) -> list[Record]:
     return walk(store, unpack_header(store.get(layout.state(key)))["log"])
 
 
-def replay(store: KeyValueStore, config: PSConfig, records: list[Record]) -> torch.Tensor:
-    """The weights obtained by applying ``records`` to the seed's initial weights.
+def replay(store: KeyValueStore, records: list[Record]) -> torch.Tensor:
+    """The weights obtained by applying ``records`` to the run's initial weights.
 
     Needs the gradients, so the run must have been made with ``keep_gradients=True``.
     """
-    weights = initial_weights(config.seed, config.hidden)
+    weights = state_weights(store, layout.INITIAL)
     for record in records:
         keys = [layout.gradient(w, k) for w, k in record.ids]
         total = gradient_sum(vector_view(blob) for blob in store.get_many(keys))

@@ -1,7 +1,7 @@
 """The paper's small CNN on scikit-learn digits (ships offline), and flat-vector weight helpers.
 
 The parameter server moves weights and gradients as one flat float32 vector, so a model is any
-``nn.Module`` plus :func:`flatten` / :func:`unflatten_into`.
+``nn.Module`` plus :func:`flatten` / :func:`unflatten_into` (see :mod:`stalwart.ps.workload`).
 """
 
 from __future__ import annotations
@@ -53,19 +53,15 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def unflatten_into(model: nn.Module, vector: torch.Tensor) -> None:
-    """Copy a flat vector into the model's parameters."""
-    torch.nn.utils.vector_to_parameters(vector, model.parameters())
-
-
-def initial_weights(seed: int, hidden: int) -> torch.Tensor:
-    """The deterministic initial weights for ``seed``: any process can rebuild them."""
-    torch.manual_seed(seed)
-    return flatten(list(DigitsCNN(hidden).parameters()))
-
-
-def accuracy(model: nn.Module, weights: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Test accuracy of ``model`` carrying ``weights``."""
-    unflatten_into(model, weights)
-    model.eval()
+    """Copy a flat vector into the model's parameters (in place: nothing aliases ``vector``)."""
+    if vector.numel() != sum(p.numel() for p in model.parameters()):
+        raise ValueError(
+            f"{vector.numel()} weights do not fit a model with "
+            f"{sum(p.numel() for p in model.parameters())} parameters"
+        )
     with torch.no_grad():
-        return float((model(x).argmax(1) == y).float().mean())
+        offset = 0
+        for parameter in model.parameters():
+            size = parameter.numel()
+            parameter.copy_(vector[offset : offset + size].view_as(parameter))
+            offset += size

@@ -33,10 +33,11 @@ from stalwart.ps.config import PSConfig
 from stalwart.ps.failure import FailureInjector, Kill
 from stalwart.ps.launch import client_factory, spawn
 from stalwart.ps.lineage import Record, head_lineage, head_state, replay
-from stalwart.ps.model import DigitsCNN, accuracy, initial_weights, load_digits_split
+from stalwart.ps.model import unflatten_into
 from stalwart.ps.store import RetryingStore
 from stalwart.ps.wire import pack, unpack
-from stalwart.ps.worker import DATA_FILE
+from stalwart.ps.worker import WORKLOAD_FILE
+from stalwart.ps.workload import DigitsWorkload, Workload
 
 #: Seconds between accuracy samples of the committed weights.
 EVAL_EVERY = 0.25
@@ -77,6 +78,8 @@ class RunResult:
     peak_rss_mb: dict[str, float] = field(default_factory=dict)
     store_retries: int = 0
     final_accuracy: float = 0.0
+    #: The committed weights at the end of the run (flat, as the workload's model orders them).
+    weights: torch.Tensor | None = None
     weights_verified: bool | None = None
     reports: list[dict] = field(default_factory=list)
     lineage: list[Record] = field(default_factory=list)
@@ -111,6 +114,8 @@ class Run:
         config: the run (validated here).
         hook: called every monitor tick with this object (tests use it to make the store vanish).
         progress: called with a one-line status now and then.
+        inspect: called with this object and the result before the store shuts down.
+        workload: what to train (default: the paper's CNN on digits, sized by ``config``).
     """
 
     def __init__(
@@ -119,8 +124,10 @@ class Run:
         hook: Callable[[Run], None] | None = None,
         progress: Callable[[str], None] | None = None,
         inspect: Callable[[Run, RunResult], None] | None = None,
+        workload: Workload | None = None,
     ) -> None:
         config.validate()
+        self.workload = workload
         self.inspect = inspect
         self.config = config
         self.hook = hook
@@ -225,10 +232,10 @@ class Run:
             raise ConfigurationError(
                 f"the store at {config.store_address} already holds a run; use a fresh store."
             )
-        weights = initial_weights(config.seed, config.hidden)
+        weights = self.workload.initial_weights(config.seed)
         cursors = [0] * config.workers
         self.store.set(
-            layout.state("0/0"),
+            layout.state(layout.INITIAL),
             pack({"version": 0, "log": layout.INIT, "cursors": cursors, "epoch": 0}, weights),
         )
         for w in range(config.workers):
@@ -236,7 +243,9 @@ class Run:
         self.store.add(layout.EPOCH, 0)
         if self.chain:
             self.store.add(layout.CHAIN_COUNT, config.replicas)
-        self.store.set(layout.HEAD, json.dumps({"key": "0/0", "cursors": cursors}).encode())
+        self.store.set(
+            layout.HEAD, json.dumps({"key": layout.INITIAL, "cursors": cursors}).encode()
+        )
 
     def _start_servers(self) -> None:
         if not self.chain:
@@ -350,7 +359,10 @@ class Run:
         header, weights = unpack(blob)
         self._last_key = key
         self._last_weights = weights
-        acc = accuracy(self.model, weights, self.x_test, self.y_test)
+        unflatten_into(self.model, weights)
+        acc = self.workload.evaluate(self.model)
+        if acc is None:
+            return
         self.timeline.append({
             "t": time.time() - self.t0, "accuracy": acc, "version": header["version"],
             "epoch": header["epoch"], "produced": self.produced,
@@ -358,6 +370,9 @@ class Run:
 
     def execute(self) -> RunResult:
         config = self.config
+        if self.workload is None:
+            self.workload = DigitsWorkload(config.hidden, config.batch_size)
+        self._save_workload()
         if config.store_address is None:
             config.store_address = self._start_store()
         with open(self.config_path, "w") as handle:
@@ -369,11 +384,17 @@ class Run:
         finally:
             self._shutdown()
 
+    def _save_workload(self) -> None:
+        import cloudpickle
+
+        path = os.path.join(self.run_dir, WORKLOAD_FILE)
+        with open(path + ".tmp", "wb") as handle:
+            cloudpickle.dump(self.workload, handle)
+        os.replace(path + ".tmp", path)
+
     def _train(self) -> RunResult:
         config = self.config
-        x_train, y_train, self.x_test, self.y_test = load_digits_split()
-        torch.save({"x": x_train, "y": y_train}, os.path.join(self.run_dir, DATA_FILE))
-        self.model = DigitsCNN(config.hidden)
+        self.model = self.workload.model()
         self.timeline: list[dict] = []
         self._last_key = ""
         self._last_weights = torch.empty(0)
@@ -578,9 +599,9 @@ class Run:
                 result.peak_rss_mb[role] = max(sizes) / 1024
         result.store_retries = sum(r["retries"] for r in reports)
         result.final_accuracy = self.timeline[-1]["accuracy"] if self.timeline else 0.0
+        _, _, result.weights = head_state(self.store)
         if config.keep_gradients:
-            _, _, weights = head_state(self.store)
-            result.weights_verified = torch.equal(replay(self.store, config, lineage), weights)
+            result.weights_verified = torch.equal(replay(self.store, lineage), result.weights)
         return result
 
     def _shutdown(self) -> None:
@@ -618,6 +639,7 @@ def run_training(
     hook: Callable[[Run], None] | None = None,
     progress: Callable[[str], None] | None = None,
     inspect: Callable[[Run, RunResult], None] | None = None,
+    workload: Workload | None = None,
 ) -> RunResult:
     """Train with a parameter server as ``config`` says, with real processes; the measurements.
 
@@ -626,6 +648,7 @@ def run_training(
         hook: called on every monitor tick with the :class:`Run` (e.g. to make the store vanish).
         progress: receives status lines (pass ``print`` to see them).
         inspect: called with the :class:`Run` and the result before the store shuts down.
+        workload: the model and data (default: the paper's CNN on digits, sized by ``config``).
 
     Example:
         >>> config = PSConfig(mode="stateless", steps=100, kills=[KillEvent(60, 2.0)])
@@ -633,7 +656,7 @@ def run_training(
         >>> result.lost, result.duplicates  # doctest: +SKIP
         (0, 0)
     """
-    return Run(config, hook=hook, progress=progress, inspect=inspect).execute()
+    return Run(config, hook=hook, progress=progress, inspect=inspect, workload=workload).execute()
 
 
 if __name__ == "__main__":  # pragma: no cover - a quick manual run

@@ -27,7 +27,6 @@ import torch
 from stalwart.errors import CorruptCheckpointError, StalwartError
 from stalwart.ps import layout
 from stalwart.ps.config import PSConfig
-from stalwart.ps.model import initial_weights
 from stalwart.ps.store import KeyValueStore
 from stalwart.ps.update import apply_update, backlog_scale, gradient_sum
 from stalwart.ps.wire import pack, unpack, unpack_header, vector_view
@@ -136,8 +135,8 @@ class ParameterServer:
     def _load_checkpoint(self) -> tuple[int, str, torch.Tensor]:
         path = os.path.join(self.config.run_dir, CHECKPOINT_FILE)
         if not os.path.exists(path):
-            # Killed before the first checkpoint: start over from the seed's initial weights.
-            return 0, layout.INIT, initial_weights(self.config.seed, self.config.hidden)
+            # Killed before the first checkpoint: start over from the run's initial weights.
+            return 0, layout.INIT, unpack(self.store.get(layout.state(layout.INITIAL)))[1]
         try:
             saved = torch.load(path, weights_only=True)
             return int(saved["version"]), str(saved["log"]), saved["weights"]

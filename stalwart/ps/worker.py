@@ -21,19 +21,27 @@ import tempfile
 import time
 
 import torch
-from torch import nn
 
 from stalwart.errors import StoreUnavailableError
 from stalwart.ps import layout
 from stalwart.ps.config import PSConfig
-from stalwart.ps.model import DigitsCNN, flatten, unflatten_into
+from stalwart.ps.model import flatten, unflatten_into
 from stalwart.ps.store import RetryingStore
 from stalwart.ps.wire import pack, unpack
+from stalwart.ps.workload import Workload
 
 #: Seconds between polls of the head while waiting for the PS.
 POLL = 0.002
-#: The training split, written by the runner so that workers start without importing sklearn.
-DATA_FILE = "train.pt"
+#: The run's :class:`Workload`, pickled by the runner into the run directory.
+WORKLOAD_FILE = "workload.pkl"
+
+
+def load_workload(run_dir: str) -> Workload:
+    """The workload the runner saved for this run."""
+    import cloudpickle
+
+    with open(os.path.join(run_dir, WORKLOAD_FILE), "rb") as handle:
+        return cloudpickle.load(handle)
 
 
 def write_json(path: str, data: dict) -> None:
@@ -60,24 +68,13 @@ class Worker:
         self.config = config
         self.store = store
         self.index = index
-        self.model = DigitsCNN(config.hidden)
-        data = torch.load(os.path.join(config.run_dir, DATA_FILE))
-        self.x, self.y = data["x"], data["y"]
-        self.generator = torch.Generator().manual_seed(config.seed * 1000 + index)
+        self.workload = load_workload(config.run_dir)
+        self.model = self.workload.model()
         torch.manual_seed(config.seed * 1000 + index)  # dropout masks differ per worker
-        self.order = torch.empty(0, dtype=torch.long)
-        self.position = 0
+        self.batches = self.workload.batches(index, config.seed)
         self.head_key = ""
         self.idle = 0.0
         self.pushed: list[list] = []
-
-    def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.position + self.config.batch_size > len(self.order):
-            self.order = torch.randperm(len(self.x), generator=self.generator)
-            self.position = 0
-        take = self.order[self.position : self.position + self.config.batch_size]
-        self.position += self.config.batch_size
-        return self.x[take], self.y[take]
 
     def _head(self) -> dict:
         return json.loads(self.store.get(layout.HEAD))
@@ -107,11 +104,13 @@ class Worker:
         self.idle += time.monotonic() - started
 
     def _gradient(self) -> torch.Tensor:
-        x, y = self._batch()
         self.model.train()
-        self.model.zero_grad(set_to_none=False)
-        nn.functional.cross_entropy(self.model(x), y).backward()
-        return flatten([p.grad for p in self.model.parameters()])
+        self.model.zero_grad(set_to_none=True)
+        self.workload.loss(self.model, next(self.batches)).backward()
+        # A parameter the loss does not reach has no gradient: it contributes zeros.
+        return flatten([
+            torch.zeros_like(p) if p.grad is None else p.grad for p in self.model.parameters()
+        ])  # fmt: skip
 
     def run(self) -> None:
         """Compute ``config.steps`` gradients (or fewer if the run is stopped)."""

@@ -48,7 +48,7 @@ def test_stateless_ps_survives_sigkill_and_a_store_outage(tmp_path):
                 audit["recovery"] = record
                 audit["parent_weights"] = state_weights(run.store, record.parent)
                 audit["recovered_weights"] = state_weights(run.store, record.ref)
-                audit["replayed"] = replay(run.store, run.config, walk(run.store, record.ref))
+                audit["replayed"] = replay(run.store, walk(run.store, record.ref))
 
     config = PSConfig(
         mode="stateless", workers=2, steps=150, kills=[KillEvent(40, 2.0)],
@@ -143,9 +143,7 @@ def test_checkpoint_mode_loses_exactly_the_updates_since_the_last_checkpoint(tmp
         audit["last"] = last
         audit["before_kill"] = state_weights(run.store, f"1/{last}")
         audit["restored"] = state_weights(run.store, f"2/{event['version']}")
-        audit["replayed_to_checkpoint"] = replay(
-            run.store, run.config, walk(run.store, event["log"])
-        )
+        audit["replayed_to_checkpoint"] = replay(run.store, walk(run.store, event["log"]))
         audit["rolled_back"] = [
             tuple(i)
             for v in range(event["version"] + 1, last + 1)
