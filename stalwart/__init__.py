@@ -12,6 +12,7 @@ from stalwart.errors import (
     RunNotFoundError,
     StalwartError,
 )
+from stalwart.loops import ParameterServerTrainer
 from stalwart.plugins import ShrinkCheckpointIO
 from stalwart.strategies import RedundantPipelineStrategy
 from stalwart.trainer import Mismatch, ReplayResult, Trainer
@@ -24,6 +25,7 @@ __all__ = [
     "FunctionProbe",
     "HindsightCallback",
     "Mismatch",
+    "ParameterServerTrainer",
     "RedundantPipelineStrategy",
     "ReplayResult",
     "ReplayError",
