@@ -3,7 +3,8 @@
 Data-parallel training with a parameter server in five modes -- checkpointing (sync/async), chain
 replication (sync/async) and the stateless PS whose weights and gradient queues live in an
 external store -- with real processes, a SIGKILL failure injector and the paper's experiment.
-Framework-neutral: plain torch and the standard library (no Lightning import here).
+Framework-neutral: plain torch and the standard library (no Lightning import here); what is
+trained is a :class:`Workload` (the Lightning adapter is :mod:`stalwart.loops.parameter_server`).
 
 Example:
     >>> from stalwart.ps import KillEvent, PSConfig, run_training
@@ -16,14 +17,17 @@ Example:
 from stalwart.ps.config import MODES, KillEvent, PSConfig
 from stalwart.ps.runner import RunResult, run_training
 from stalwart.ps.store import KeyValueStore, RetryingStore, TCPStoreClient
+from stalwart.ps.workload import DigitsWorkload, Workload
 
 __all__ = [
     "MODES",
+    "DigitsWorkload",
     "KeyValueStore",
     "KillEvent",
     "PSConfig",
     "RetryingStore",
     "RunResult",
     "TCPStoreClient",
+    "Workload",
     "run_training",
 ]
