@@ -139,11 +139,14 @@ class SimulationSettings:
         num_stages: Bamboo pipeline depth P.
         demand_stages: on-demand (and checkpoint/restart) pipeline depth.
         num_pipelines: D.
+        num_microbatches: micro-batches per pipeline per step when all D pipelines run (M).
         pipeline_throughput: samples/s of one healthy on-demand pipeline.
-        rc_overhead: per-step slowdown of redundant computation (eager FRC).
-        failover_slowdown: step-time factor of a pipeline whose shadow runs two stages.
-        recovery_seconds: pause of a failover (shadow takes over, lazy BRC of one step).
-        reconfig_seconds: pause of a reconfiguration (re-form pipelines, move layers).
+        rc_overhead: per-step slowdown of redundant computation (eager FRC, Table 3.5).
+        failover_slowdown: step-time factor while a shadow runs two stages (Table 3.5).
+        recovery_seconds: pause of a failover (shadow takes over, lazy BRC of one step); an
+            assumption.
+        reconfig_seconds: pause of a reconfiguration (re-form pipelines, move layers);
+            calibrated on the thesis' 7% (see the module docstring).
         restart_seconds: restart the job and load the checkpoint (checkpoint/restart, and
             Bamboo after a fatal failure).
         checkpoint_minutes: checkpoint interval (both spot strategies).
