@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import tempfile
+import time
 
 from stalwart.errors import ConfigurationError
 
@@ -53,41 +55,59 @@ def parse_probabilities(text: str) -> list[float]:
 
 
 def format_rows(rows) -> str:
+    """The simulator's table: one line per strategy and preemption probability."""
     header = (
-        f"{'strategy':<11} {'p':>5} {'preempt':>8} {'fatal':>8} {'nodes':>6} {'thruput':>8} "
-        f"{'cost$/h':>8} {'value':>6} {'useful':>6} {'hours':>7}"
+        f"{'strategy':<11} {'p':>5} {'preempt':>8} {'interval':>8} {'fatal':>8} "
+        f"{'reconfig':>8} {'nodes':>6} {'thruput':>8} {'cost$/h':>8} {'value':>6} "
+        f"{'useful':>6} {'paused':>6} {'hours':>6}"
     )
     lines = [header]
+
+    def interval(r) -> str:
+        return f"{r.interval:.2f}h" if r.preemptions else "-"
+
     for r in rows:
         lines.append(
-            f"{r.strategy:<11} {r.probability:>5.2f} {r.preemptions:>8.1f} "
-            f"{r.fatal_failures:>8.2f} {r.nodes:>6.1f} {r.throughput:>8.2f} {r.cost:>8.2f} "
-            f"{r.value:>6.2f} {r.useful_share:>6.0%} {r.hours:>7.1f}"
+            f"{r.strategy:<11} {r.probability:>5.2f} {r.preemptions:>8.1f} {interval(r):>8} "
+            f"{r.fatal_failures:>8.3f} {r.reconfigurations:>8.1f} {r.nodes:>6.1f} "
+            f"{r.throughput:>8.2f} {r.cost:>8.2f} {r.value:>6.2f} {r.useful_share:>6.0%} "
+            f"{r.paused_share:>6.0%} {r.hours:>6.1f}"
         )
     return "\n".join(lines)
 
 
-def plot_value(rows, path: str) -> str:
-    """PNG: value (throughput per $/h) and fatal failures vs preemption probability."""
+def plot_value(rows, path: str, runs: int | None = None) -> str:
+    """PNG: value, useful share and fatal failures vs preemption probability, with the thesis'
+    Table 3.3 values for reference."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    from stalwart.pipeline.simulator import THESIS_TABLE_3_3
+
+    fig, (value, useful, fatal) = plt.subplots(1, 3, figsize=(14, 4.2))
     for strategy, style in (("bamboo", "o-"), ("checkpoint", "s--"), ("on-demand", "k:")):
-        pts = [r for r in rows if r.strategy == strategy]
+        pts = sorted((r for r in rows if r.strategy == strategy), key=lambda r: r.probability)
         ps = [r.probability for r in pts]
-        left.plot(ps, [r.value for r in pts], style, label=strategy)
+        value.plot(ps, [r.value for r in pts], style, label=strategy)
+        useful.plot(ps, [r.useful_share for r in pts], style, label=strategy)
         if strategy != "on-demand":
-            right.plot(ps, [r.fatal_failures for r in pts], style, label=strategy)
-    left.set(xlabel="hourly preemption probability", ylabel="value (samples/s per $/h)",
-             title="value vs preemption probability")  # fmt: skip
-    right.set(xlabel="hourly preemption probability", ylabel="fatal failures (restarts)",
-              yscale="symlog", title="fatal failures")  # fmt: skip
-    for ax in (left, right):
+            fatal.plot(ps, [r.fatal_failures for r in pts], style, label=strategy)
+    thesis_ps = sorted(THESIS_TABLE_3_3)
+    value.plot(thesis_ps, [THESIS_TABLE_3_3[p][6] for p in thesis_ps], "x:", color="gray",
+               label="Bamboo, thesis Table 3.3")  # fmt: skip
+    fatal.plot(thesis_ps, [THESIS_TABLE_3_3[p][2] for p in thesis_ps], "x:", color="gray",
+               label="Bamboo, thesis Table 3.3")  # fmt: skip
+    value.set(ylabel="value (samples/s per $/h)", title="value", ylim=(0, None))
+    useful.set(ylabel="share of wall time", title="useful (kept) training time", ylim=(0, 1.05))
+    fatal.set(ylabel="fatal failures per run", yscale="symlog", title="fatal failures (restarts)")
+    for ax in (value, useful, fatal):
+        ax.set_xlabel("hourly preemption probability per node")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize="small")
+    fig.suptitle("Preemption SIMULATOR (scale claim, not a measurement)"
+                 + (f", {runs} runs per point" if runs else ""))  # fmt: skip
     fig.tight_layout()
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(suffix=".png", dir=directory)
@@ -102,14 +122,27 @@ def run_simulate(args: argparse.Namespace) -> None:
     from stalwart.pipeline.simulator import read_trace, replay_trace, sweep
 
     settings = _settings(args)
+    print(
+        "SIMULATOR (a scale claim, not a measurement): Bamboo vs checkpoint/restart vs "
+        f"on-demand, D={settings.num_pipelines}, P={settings.num_stages}, "
+        f"on-demand depth {settings.demand_stages}"
+    )
     if args.trace:
         rows = list(replay_trace(read_trace(args.trace), settings).values())
         print(format_rows(rows))
         return
     probabilities = parse_probabilities(args.probabilities)
-    rows = sweep(probabilities, settings, progress=True)
+    start = time.monotonic()
+
+    def progress(strategy: str, p: float, done: int, runs: int) -> None:
+        elapsed = time.monotonic() - start
+        print(f"  p={p:.2f} {strategy:<10} {done:>5}/{runs} runs  {elapsed:6.0f}s", file=sys.stderr,
+              flush=True)  # fmt: skip
+
+    print(f"{settings.runs} runs per strategy and probability; progress on stderr", flush=True)
+    rows = sweep(probabilities, settings, progress=progress)
     print(format_rows(rows))
-    print(f"wrote {plot_value(rows, args.out)}")
+    print(f"wrote {plot_value(rows, args.out, settings.runs)}")
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
