@@ -19,6 +19,7 @@ from stalwart.pipeline.schedule import SCHEDULES
 from stalwart.pipeline.workloads import load_workload
 
 REDUNDANCY = ("eager", "lazy", "none")
+FRC_POLICIES = ("bubble", "complete")
 OPTIMIZERS = ("sgd", "adam")
 
 
@@ -32,6 +33,12 @@ class PipelineJob:
         steps: optimizer steps to run.
         redundancy: ``"eager"`` (eager FRC + lazy BRC), ``"lazy"`` (replicas kept fresh, all
             redundant computation after a failure) or ``"none"`` (no replicas: any loss is fatal).
+        frc_policy: with eager redundancy, ``"bubble"`` runs FRC only while the node waits
+            (receives, and the end-of-step wait for the slowest stage) and drops what is left
+            once the step commits — after the commit no failure can use it, and a failure
+            before it finishes the rest during recovery; ``"complete"`` finishes every FRC
+            before the node reports the step done (the thesis' schedule, on a device with
+            no spare compute to overlap it with).
         num_nodes: worker processes; at most P x D (one pipeline: D = 1), at least P.
         failure_timeout: seconds a send/recv or the rendezvous waits for a silent peer.
         workload: ``package.module:Class`` of a :class:`~stalwart.pipeline.workloads.Workload`.
@@ -43,6 +50,8 @@ class PipelineJob:
         checkpoint_every: steps between checkpoints (0: only the initial one).
         checkpoint_dir: where stage checkpoints go.
         verify_replicas: publish a SHA-256 of every owner and replica state after each step.
+        profile: publish, per step and rank, the CPU and wall seconds spent in each kind of
+            instruction (the breakdown ``benchmarks/pipeline_overhead.py`` prints).
         seed: model initialisation seed (the same on every worker).
         bounds: stage layer bounds ``[[start, end), ...]``; computed by :meth:`validate`
             from ``partition`` unless given.
@@ -52,6 +61,7 @@ class PipelineJob:
     num_microbatches: int = 4
     steps: int = 8
     redundancy: str = "eager"
+    frc_policy: str = "bubble"
     num_nodes: int | None = None
     num_pipelines: int = 1
     failure_timeout: float = 10.0
@@ -65,6 +75,7 @@ class PipelineJob:
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
     verify_replicas: bool = False
+    profile: bool = False
     seed: int = 0
     bounds: list | None = None
 
@@ -101,6 +112,8 @@ class PipelineJob:
             )
         if self.redundancy not in REDUNDANCY:
             raise ConfigurationError(f"redundancy={self.redundancy!r}: use one of {REDUNDANCY}.")
+        if self.frc_policy not in FRC_POLICIES:
+            raise ConfigurationError(f"frc_policy={self.frc_policy!r}: use one of {FRC_POLICIES}.")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigurationError(f"optimizer={self.optimizer!r}: use one of {OPTIMIZERS}.")
         if self.schedule not in SCHEDULES:

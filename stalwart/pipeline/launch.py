@@ -60,6 +60,7 @@ class RunResult:
         events: recoveries in order (kind, lost ranks, step, resume step, seconds, ...).
         exit_codes: per launch rank (negative = killed by that signal).
         frc_reused: per rank, how many forwards a shadow took from its eager-FRC cache.
+        profile: with ``job.profile``, ``{(step, rank): {op: [cpu_s, wall_s, count]}}``.
         seconds: wall time of the run.
     """
 
@@ -70,6 +71,7 @@ class RunResult:
     exit_codes: dict[int, int] = field(default_factory=dict)
     frc_reused: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
+    profile: dict[tuple[int, int], dict[str, list]] = field(default_factory=dict)
 
 
 def launch(
@@ -238,4 +240,10 @@ def _collect(store: PrefixStore, job: PipelineJob, codes: dict[int, int], secs: 
     for n in range(1, count + 1):
         events.append(json.loads(store.get(f"event/{n}")))
     reused = {r: store.add(f"frc_reused/{r}", 0) for r in range(job.num_nodes)}
-    return RunResult(losses, times, digests, events, codes, reused, secs)
+    profile = {}
+    if job.profile:
+        for step in range(job.steps):
+            for rank in range(job.num_nodes):
+                if store.check([f"profile/{step}/{rank}"]):
+                    profile[(step, rank)] = json.loads(store.get(f"profile/{step}/{rank}"))
+    return RunResult(losses, times, digests, events, codes, reused, secs, profile)

@@ -21,7 +21,7 @@ launcher (:mod:`stalwart.pipeline.launch`) does that.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import concurrent.futures
 import datetime
 import hashlib
 import json
@@ -38,6 +38,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 from stalwart.pipeline.faults import Fault, FaultInjector
 from stalwart.pipeline.job import PipelineJob
 from stalwart.pipeline.placement import Placement, plan_recovery
+from stalwart.pipeline.redundancy import EagerFRC
 from stalwart.pipeline.schedule import SCHEDULES, Instruction, Op, add_eager_frc, merge_streams
 from stalwart.pipeline.workloads import load_workload
 
@@ -102,9 +103,15 @@ class Worker:
         self.optimizers: dict[int, torch.optim.Optimizer | None] = {}
         self._build(self._held_stages(), checkpoint=None)
         self._shapes()
-        self.frc_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.frc = EagerFRC(self.modules, self._frc_input)
+        self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recv-wait")
+        self._step = 0
+        self._op_label = ""
         self.pg: ProcessGroupGloo | None = None
         self.pending: list = []
+        self.clock: dict[str, list] = {}
+        self._program: tuple[object, list[Instruction]] = (None, [])
+        self._timer_start = (time.perf_counter(), time.thread_time())
 
     # ----------------------------------------------------------------- model state
     def _held_stages(self) -> list[int]:
@@ -151,6 +158,14 @@ class Worker:
 
     # ----------------------------------------------------------------- program
     def program(self) -> list[Instruction]:
+        """This rank's instruction list for the current placement (built once per generation:
+        a merged stream costs a symbolic run of the whole schedule)."""
+        key = (self.gen, self.placement)
+        if self._program[0] != key:
+            self._program = (key, self._build_program())
+        return self._program[1]
+
+    def _build_program(self) -> list[Instruction]:
         own = self.placement.stages_of(self.rank)
         prog = list(self.base[own[0]])
         for s in own[1:]:
@@ -164,10 +179,29 @@ class Worker:
         return self.members.index(rank)
 
     def _recv(self, t: torch.Tensor, src: int, tg: int) -> None:
+        """Blocking receive; while it is outstanding, queued FRC runs layer by layer (the
+        bubble). A gloo receive only reports completion through ``wait()``, so a helper
+        thread waits (without the GIL) and this thread polls it between layers."""
+        error = None
         try:
-            self.pg.recv([t], self._grank(src), tg).wait()
+            work = self.pg.recv([t], self._grank(src), tg)
+            if not self.frc.pending:
+                work.wait()
+                return
+            arrived = self._waiter.submit(work.wait)
+            while self.frc.pending and not arrived.done():
+                self._tick(self._op_label)
+                self.frc.advance()
+                self._tick(Op.FRC.value)
+            error = arrived.exception()
         except RuntimeError as exc:
-            raise PeerFailure(f"recv from rank {src}: {exc}") from None
+            error = exc
+        if error is not None:
+            # A message only: the exception's traceback would keep this frame, and with it
+            # the group's sockets, alive — and closing them is what wakes blocked peers.
+            message = str(error)
+            del error
+            raise PeerFailure(f"recv from rank {src}: {message}")
 
     def _isend(self, t: torch.Tensor, dst: int, tg: int) -> None:
         try:
@@ -192,12 +226,10 @@ class Worker:
             raise PeerFailure(f"forming generation {self.gen}: {exc}") from None
 
     # ----------------------------------------------------------------- one step
-    def _input_for_frc(self, s: int, k: int, step: int, outs: dict) -> torch.Tensor:
-        if s == 0:
-            return self.workload.microbatch(step, k, self.M, self.job.batch_size)[0]
-        if (s - 1, k) in self.frc_cache:
-            return self.frc_cache[(s - 1, k)][1]
-        return outs[(s - 1, k)]
+    def _frc_input(self, stage: int, mb: int) -> torch.Tensor:
+        if stage != 0:
+            raise RuntimeError(f"FRC of stage {stage} has no input (its predecessor's is gone)")
+        return self.workload.microbatch(self._step, mb, self.M, self.job.batch_size)[0]
 
     def run_step(self, step: int) -> float | None:
         """Execute this rank's program for ``step``; returns the step loss on the last stage."""
@@ -207,10 +239,13 @@ class Worker:
         grads: dict[tuple[int, int], torch.Tensor] = {}
         labels: dict[int, torch.Tensor] = {}
         losses: dict[int, float] = {}
+        self._step = step
         self.injector.check(step, None)
+        self._timer_start = (time.perf_counter(), time.thread_time())
         for ins in self.program():
             self.injector.check(step, ins)
             s, k = ins.stage, ins.mb
+            self._op_label = ins.op.value
             if ins.op is Op.LOAD:
                 x, y = self.workload.microbatch(step, k, self.M, self.job.batch_size)
                 if s == 0:
@@ -223,7 +258,7 @@ class Worker:
                 self._recv(t, owner[s - 1], tag(ACT, s, k))
                 ins_buf[(s, k)] = t.requires_grad_(t.is_floating_point())
             elif ins.op is Op.FORWARD:
-                cached = self.frc_cache.pop((s, k), None)
+                cached = self.frc.take(s, k)
                 if cached is not None:
                     # Failover: the shadow already ran this forward eagerly (FRC) with the
                     # same weights; reuse its output and saved intermediates.
@@ -258,19 +293,31 @@ class Worker:
             elif ins.op is Op.SEND_GRAD:
                 self._isend(ins_buf.pop((s, k)).grad, owner[s - 1], tag(GRAD, s - 1, k))
             elif ins.op is Op.FRC:
-                inp = self._input_for_frc(s, k, step, outs).detach()
-                leaf = inp.requires_grad_(inp.is_floating_point())
-                # Intermediates go to host memory: they are only needed if this rank must
-                # run the successor's backward (lazy BRC) after a failure. On a CPU the
-                # pack hooks would only add overhead, so they are used on accelerators only.
-                offload = torch.autograd.graph.save_on_cpu() if leaf.device.type != "cpu" else None
-                with offload or contextlib.nullcontext():
-                    self.frc_cache[(s, k)] = (leaf, self.modules[s](leaf))
+                # Posted, not run: it runs while this node waits (see EagerFRC).
+                self.frc.post(s, k, outs.get((s - 1, k)))
+            self._tick(ins.op.value)
+        self._op_label = "ReplicaGrads"
         self._exchange_replica_grads()
+        self._tick("ReplicaGrads")
+        if self.job.frc_policy == "complete":
+            self.frc.finish()  # what did not fit into this step's waits, before "done"
+            self._tick(Op.FRC.value)
         self._wait_sends()
+        self._tick("WaitSends")
         if losses:
             return sum(losses[k] for k in sorted(losses)) / len(losses)
         return None
+
+    def _tick(self, name: str) -> None:
+        """Charge the CPU and wall time since the last tick to ``name`` (the op breakdown that
+        ``PipelineJob.profile`` publishes; the wall-minus-CPU part of a receive is waiting)."""
+        wall0, cpu0 = self._timer_start
+        now, cpu = time.perf_counter(), time.thread_time()
+        entry = self.clock.setdefault(name, [0.0, 0.0, 0])
+        entry[0] += cpu - cpu0
+        entry[1] += now - wall0
+        entry[2] += 1
+        self._timer_start = (now, cpu)
 
     def _exchange_replica_grads(self) -> None:
         """Owners send their stage gradient to the replica holder, which applies the same
@@ -314,7 +361,14 @@ class Worker:
                 raise PeerFailure(f"rank(s) {dead} died before finishing step {step}")
             if time.monotonic() > deadline:
                 raise PeerFailure(f"step {step} not finished by all within the failure timeout")
-            time.sleep(0.002)
+            if self.frc.pending:
+                # Waiting for the slowest stage is bubble too. FRC still queued once every
+                # stage is done is dropped: after the commit no failure can need it.
+                self._tick("Commit")
+                self.frc.advance()
+                self._tick(Op.FRC.value)
+            else:
+                time.sleep(0.002)
 
     def _rendezvous(self, step: int, reason: str) -> int:
         """Form the next generation; returns the step to (re-)run."""
@@ -354,7 +408,7 @@ class Worker:
             if self.job.redundancy == "none":
                 self.placement = Placement(self.placement.owner, (None,) * self.P)
             self._build(self._held_stages(), checkpoint=decision["resume"])
-            self.frc_cache.clear()
+            self.frc = EagerFRC(self.modules, self._frc_input)
         else:
             keep = set(recovery.placement.stages_of(self.rank))
             keep |= set(recovery.placement.replicas_of(self.rank))
@@ -362,8 +416,10 @@ class Worker:
             for s in list(self.modules):
                 if s not in keep:
                     del self.modules[s], self.optimizers[s]
-            for key in [key for key in self.frc_cache if key[0] not in keep]:
-                del self.frc_cache[key]
+            # The victim's stages are ours now: finish their queued FRC (that forward is needed
+            # for the re-run anyway) and keep the FRC cached for stages still held.
+            self.frc.forget(keep)
+            self.frc.finish(self.placement.stages_of(self.rank))
         for module in self.modules.values():
             module.zero_grad(set_to_none=True)
         if self.rank == min(self.members):
@@ -400,8 +456,11 @@ class Worker:
                 if self.pg is None:
                     self._connect()
                 started = time.perf_counter()
+                self.clock = {}
+                self.frc.completed = self.frc.posted = 0
                 loss = self.run_step(step)
                 self._commit(step)
+                self._tick("Commit")
             except PeerFailure as exc:
                 reason = str(exc)
             else:
@@ -409,7 +468,11 @@ class Worker:
                     if opt is not None:
                         opt.step()
                     self.modules[s].zero_grad(set_to_none=True)
-                self.frc_cache.clear()
+                self.frc.forget()
+                self._tick("OptimizerStep")
+                if self.job.profile:
+                    self.clock["frc_tasks"] = [self.frc.completed, self.frc.posted, 0]
+                    self.store.set(self._key("profile", step, self.rank), json.dumps(self.clock))
                 if loss is not None:
                     self.store.set(self._key("loss", step), repr(loss))
                     self.store.set(self._key("time", step), repr(time.perf_counter() - started))
