@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import asdict, dataclass, field, replace
 
@@ -44,7 +45,10 @@ class PipelineJob:
         workload: ``package.module:Class`` of a :class:`~stalwart.pipeline.workloads.Workload`.
         workload_kwargs: its keyword arguments.
         batch_size: global batch per step (split into M micro-batches).
-        optimizer: ``"sgd"`` (momentum 0.9) or ``"adam"``; ``lr`` its learning rate.
+        optimizer: ``"sgd"`` (momentum 0.9), ``"adam"``, or the import path of a
+            ``torch.optim.Optimizer`` class (``"torch.optim.AdamW"``); ``lr`` its learning
+            rate, ``optimizer_kwargs`` its other arguments. Every owner and shadow builds the
+            same optimizer for its shard.
         schedule: ``"1f1b"`` or ``"gpipe"``.
         partition: balance stages by ``"parameters"`` or measured ``"time"``.
         checkpoint_every: steps between checkpoints (0: only the initial one).
@@ -53,6 +57,9 @@ class PipelineJob:
         profile: publish, per step and rank, the CPU and wall seconds spent in each kind of
             instruction (the breakdown ``benchmarks/pipeline_overhead.py`` prints).
         seed: model initialisation seed (the same on every worker).
+        batches_from_store: driven mode: the workers take each step's batch from the store
+            (``batch/<step>``, put there by a driver such as the Lightning strategy) and run
+            until the driver sets ``stop``; ``steps`` is then not used.
         bounds: stage layer bounds ``[[start, end), ...]``; computed by :meth:`validate`
             from ``partition`` unless given.
     """
@@ -70,12 +77,14 @@ class PipelineJob:
     batch_size: int = 32
     optimizer: str = "adam"
     lr: float = 1e-2
+    optimizer_kwargs: dict = field(default_factory=dict)
     schedule: str = "1f1b"
     partition: str = "parameters"
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
     verify_replicas: bool = False
     profile: bool = False
+    batches_from_store: bool = False
     seed: int = 0
     bounds: list | None = None
 
@@ -114,8 +123,7 @@ class PipelineJob:
             raise ConfigurationError(f"redundancy={self.redundancy!r}: use one of {REDUNDANCY}.")
         if self.frc_policy not in FRC_POLICIES:
             raise ConfigurationError(f"frc_policy={self.frc_policy!r}: use one of {FRC_POLICIES}.")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigurationError(f"optimizer={self.optimizer!r}: use one of {OPTIMIZERS}.")
+        optimizer_spec(self)  # raises for an unknown optimizer
         if self.schedule not in SCHEDULES:
             raise ConfigurationError(f"schedule={self.schedule!r}: use one of {list(SCHEDULES)}.")
         if self.checkpoint_every < 0:
@@ -151,3 +159,22 @@ class PipelineJob:
     @classmethod
     def from_json(cls, text: str) -> PipelineJob:
         return cls(**json.loads(text))
+
+
+def optimizer_spec(job: PipelineJob) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The optimizer class and keyword arguments every stage owner and shadow builds."""
+    if job.optimizer == "sgd":
+        return torch.optim.SGD, {"lr": job.lr, "momentum": 0.9, **job.optimizer_kwargs}
+    if job.optimizer == "adam":
+        return torch.optim.Adam, {"lr": job.lr, **job.optimizer_kwargs}
+    module, _, name = job.optimizer.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigurationError(
+            f"optimizer={job.optimizer!r}: use {OPTIMIZERS} or the import path of a "
+            "torch.optim.Optimizer class, e.g. 'torch.optim.AdamW'."
+        )
+    return cls, {"lr": job.lr, **job.optimizer_kwargs}

@@ -24,6 +24,7 @@ import argparse
 import concurrent.futures
 import datetime
 import hashlib
+import io
 import json
 import os
 import signal
@@ -36,7 +37,7 @@ from torch import nn
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from stalwart.pipeline.faults import Fault, FaultInjector
-from stalwart.pipeline.job import PipelineJob
+from stalwart.pipeline.job import PipelineJob, optimizer_spec
 from stalwart.pipeline.placement import Placement, plan_recovery
 from stalwart.pipeline.redundancy import EagerFRC
 from stalwart.pipeline.schedule import SCHEDULES, Instruction, Op, add_eager_frc, merge_streams
@@ -102,7 +103,9 @@ class Worker:
         self.modules: dict[int, nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer | None] = {}
         self._build(self._held_stages(), checkpoint=None)
-        self._shapes()
+        self._meta: dict[tuple, dict[int, tuple[torch.Size, torch.dtype]]] = {}
+        self._shape_model: list[nn.Module] | None = None
+        self._batches: dict[int, tuple] = {}
         self.frc = EagerFRC(self.modules, self._frc_input)
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recv-wait")
         self._step = 0
@@ -124,9 +127,8 @@ class Worker:
     def _make_optimizer(self, module: nn.Module) -> torch.optim.Optimizer | None:
         if not any(True for _ in module.parameters()):
             return None  # e.g. a stage of only activations: nothing to optimise
-        if self.job.optimizer == "sgd":
-            return torch.optim.SGD(module.parameters(), lr=self.job.lr, momentum=0.9)
-        return torch.optim.Adam(module.parameters(), lr=self.job.lr)
+        cls, kwargs = optimizer_spec(self.job)
+        return cls(module.parameters(), **kwargs)
 
     def _build(self, stages: list[int], checkpoint: int | None) -> None:
         """(Re)build the held stages from the seed, or from checkpoint step files."""
@@ -145,16 +147,36 @@ class Worker:
                     opt.load_state_dict(state["optimizer"])
             self.modules[s], self.optimizers[s] = module, opt
 
-    def _shapes(self) -> None:
-        """Activation shape/dtype at every stage boundary, from one no-grad pass."""
-        torch.manual_seed(self.job.seed)
-        layers = self.workload.layers()
-        x, _ = self.workload.microbatch(0, 0, self.M, self.job.batch_size)
-        self.out_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
-        with torch.no_grad():
-            for s in range(self.P):
-                x = self._stage_module(layers, s)(x)
-                self.out_meta[s] = (x.shape, x.dtype)
+    def _boundary_meta(self, step: int, mb: int) -> dict[int, tuple[torch.Size, torch.dtype]]:
+        """Shape and dtype of every stage's output for micro-batch ``mb`` of ``step``, from one
+        no-grad pass of a full model copy, cached per input shape (the last batch of an epoch
+        may be smaller)."""
+        x = self._microbatch(step, mb)[0]
+        key = (tuple(x.shape), x.dtype)
+        if key not in self._meta:
+            if self._shape_model is None:
+                torch.manual_seed(self.job.seed)
+                layers = self.workload.layers()
+                self._shape_model = [self._stage_module(layers, s) for s in range(self.P)]
+            meta = {}
+            with torch.no_grad():
+                for s, module in enumerate(self._shape_model):
+                    x = module(x)
+                    meta[s] = (x.shape, x.dtype)
+            self._meta[key] = meta
+        return self._meta[key]
+
+    def _microbatch(self, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input and target of micro-batch ``mb`` of ``step``: from the workload, or split from
+        the batch the driver put in the store for that step."""
+        if not self.job.batches_from_store:
+            return self.workload.microbatch(step, mb, self.M, self.job.batch_size)
+        if step not in self._batches:
+            raw = self.store.get(self._key("batch", step))
+            x, y = torch.load(io.BytesIO(raw), weights_only=True)[:2]
+            self._batches = {step: (x.tensor_split(self.M), y.tensor_split(self.M))}
+        xs, ys = self._batches[step]
+        return xs[mb], ys[mb]
 
     # ----------------------------------------------------------------- program
     def program(self) -> list[Instruction]:
@@ -229,7 +251,7 @@ class Worker:
     def _frc_input(self, stage: int, mb: int) -> torch.Tensor:
         if stage != 0:
             raise RuntimeError(f"FRC of stage {stage} has no input (its predecessor's is gone)")
-        return self.workload.microbatch(self._step, mb, self.M, self.job.batch_size)[0]
+        return self._microbatch(self._step, mb)[0]
 
     def run_step(self, step: int) -> float | None:
         """Execute this rank's program for ``step``; returns the step loss on the last stage."""
@@ -247,13 +269,13 @@ class Worker:
             s, k = ins.stage, ins.mb
             self._op_label = ins.op.value
             if ins.op is Op.LOAD:
-                x, y = self.workload.microbatch(step, k, self.M, self.job.batch_size)
+                x, y = self._microbatch(step, k)
                 if s == 0:
                     ins_buf[(0, k)] = x
                 if s == self.last:
                     labels[k] = y
             elif ins.op is Op.RECV_ACT:
-                shape, dtype = self.out_meta[s - 1]
+                shape, dtype = self._boundary_meta(step, k)[s - 1]
                 t = torch.empty(shape, dtype=dtype)
                 self._recv(t, owner[s - 1], tag(ACT, s, k))
                 ins_buf[(s, k)] = t.requires_grad_(t.is_floating_point())
@@ -275,7 +297,7 @@ class Worker:
             elif ins.op is Op.SEND_ACT:
                 self._isend(outs[(s, k)].detach(), owner[s + 1], tag(ACT, s + 1, k))
             elif ins.op is Op.RECV_GRAD:
-                shape, dtype = self.out_meta[s]
+                shape, dtype = self._boundary_meta(step, k)[s]
                 t = torch.empty(shape, dtype=dtype)
                 self._recv(t, owner[s + 1], tag(GRAD, s, k))
                 grads[(s, k)] = t
@@ -448,11 +470,34 @@ class Worker:
             digest = state_digest(self.modules[s], self.optimizers[s])
             self.store.set(self._key("digest", step, s, "replica"), digest)
 
+    def _await_step(self, step: int) -> bool:
+        """Driven mode: wait (idle) until the driver puts ``step``'s batch in the store
+        (True) or says stop (False). Meanwhile serve weight requests and notice ranks the agent
+        reported dead, so a node lost between steps is failed over before the next one."""
+        served = False
+        while True:
+            if self.store.check([self._key("stop")]):
+                return False
+            dead = [m for m in self.members if self.store.check([self._key("dead", m)])]
+            if dead:
+                raise PeerFailure(f"rank(s) {dead} left between steps")
+            if not served and self.store.check([self._key("sync", step)]):
+                self._checkpoint(step)  # the driver loads the stage files (validation, saving)
+                served = True
+            if self.store.check([self._key("batch", step)]):
+                return True
+            time.sleep(0.002)
+
     def train(self) -> None:
+        """Run steps until ``job.steps`` (or, driven, until the driver says stop), failing
+        over or falling back whenever a peer is lost."""
         self._checkpoint(0)
         step = 0
-        while step < self.job.steps:
+        driven = self.job.batches_from_store
+        while driven or step < self.job.steps:
             try:
+                if driven and not self._await_step(step):
+                    break
                 if self.pg is None:
                     self._connect()
                 started = time.perf_counter()
@@ -474,8 +519,8 @@ class Worker:
                     self.clock["frc_tasks"] = [self.frc.completed, self.frc.posted, 0]
                     self.store.set(self._key("profile", step, self.rank), json.dumps(self.clock))
                 if loss is not None:
-                    self.store.set(self._key("loss", step), repr(loss))
                     self.store.set(self._key("time", step), repr(time.perf_counter() - started))
+                    self.store.set(self._key("loss", step), repr(loss))
                 if self.job.verify_replicas:
                     self._publish_digests(step)
                 step += 1
@@ -487,8 +532,8 @@ class Worker:
             self.pending = []
             self.pg = None
             step = self._rendezvous(step, reason)
-        if self.job.checkpoint_every == 0 or self.job.steps % self.job.checkpoint_every:
-            self._checkpoint(self.job.steps)  # the final weights, for whoever launched us
+        if not driven and (self.job.checkpoint_every == 0 or step % self.job.checkpoint_every):
+            self._checkpoint(step)  # the final weights, for whoever launched us
         self.store.set(self._key("finished", self.rank), "1")
 
 
