@@ -20,6 +20,7 @@ from stalwart.pipeline.schedule import SCHEDULES
 from stalwart.pipeline.workloads import load_workload
 
 REDUNDANCY = ("eager", "lazy", "none")
+DEVICES = ("cpu", "cuda")
 FRC_POLICIES = ("bubble", "complete")
 OPTIMIZERS = ("sgd", "adam")
 
@@ -40,7 +41,10 @@ class PipelineJob:
             before it finishes the rest during recovery; ``"complete"`` finishes every FRC
             before the node reports the step done (the thesis' schedule, on a device with
             no spare compute to overlap it with).
-        num_nodes: worker processes; at most P x D (one pipeline: D = 1), at least P.
+        num_nodes: worker processes; at least P, at most P x D (default P x D). Nodes beyond
+            the last full pipeline wait on standby.
+        num_pipelines: D data-parallel pipelines; the global batch is split into D shards and
+            the gradients are summed across pipelines at the end of each step.
         failure_timeout: seconds a send/recv or the rendezvous waits for a silent peer.
         workload: ``package.module:Class`` of a :class:`~stalwart.pipeline.workloads.Workload`.
         workload_kwargs: its keyword arguments.
@@ -57,6 +61,8 @@ class PipelineJob:
         profile: publish, per step and rank, the CPU and wall seconds spent in each kind of
             instruction (the breakdown ``benchmarks/pipeline_overhead.py`` prints).
         seed: model initialisation seed (the same on every worker).
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (one GPU per worker, NCCL). The CUDA path is
+            written but UNTESTED: the machines this was built on have no GPU.
         batches_from_store: driven mode: the workers take each step's batch from the store
             (``batch/<step>``, put there by a driver such as the Lightning strategy) and run
             until the driver sets ``stop``; ``steps`` is then not used.
@@ -85,6 +91,7 @@ class PipelineJob:
     verify_replicas: bool = False
     profile: bool = False
     batches_from_store: bool = False
+    device: str = "cpu"
     seed: int = 0
     bounds: list | None = None
 
@@ -92,12 +99,11 @@ class PipelineJob:
         """Check every field; return a copy with ``num_nodes`` and ``bounds`` filled in."""
         if self.num_stages < 1:
             raise ConfigurationError(f"num_stages={self.num_stages}: use at least 1 stage.")
-        if self.num_pipelines != 1:
-            raise ConfigurationError(
-                f"num_pipelines={self.num_pipelines}: this runtime trains one pipeline (D=1); "
-                "run several jobs or use num_pipelines=1."
-            )
-        nodes = self.num_nodes if self.num_nodes is not None else self.num_stages
+        if self.num_pipelines < 1:
+            raise ConfigurationError(f"num_pipelines={self.num_pipelines}: use at least 1.")
+        nodes = self.num_nodes
+        if nodes is None:
+            nodes = self.num_stages * self.num_pipelines
         if self.num_stages > nodes:
             raise ConfigurationError(
                 f"num_stages={self.num_stages} is larger than the world size {nodes}: every "
@@ -114,16 +120,22 @@ class PipelineJob:
             )
         if self.num_microbatches < 1 or self.steps < 1:
             raise ConfigurationError("num_microbatches and steps must be at least 1.")
-        if self.batch_size % self.num_microbatches:
+        if self.batch_size % (self.num_microbatches * self.num_pipelines):
             raise ConfigurationError(
-                f"batch_size={self.batch_size} must be a multiple of "
-                f"num_microbatches={self.num_microbatches}."
+                f"batch_size={self.batch_size} must be a multiple of num_microbatches x "
+                f"num_pipelines = {self.num_microbatches * self.num_pipelines}."
             )
         if self.redundancy not in REDUNDANCY:
             raise ConfigurationError(f"redundancy={self.redundancy!r}: use one of {REDUNDANCY}.")
         if self.frc_policy not in FRC_POLICIES:
             raise ConfigurationError(f"frc_policy={self.frc_policy!r}: use one of {FRC_POLICIES}.")
         optimizer_spec(self)  # raises for an unknown optimizer
+        if self.device not in DEVICES:
+            raise ConfigurationError(f"device={self.device!r}: use one of {DEVICES}.")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigurationError(
+                "device='cuda' but torch sees no CUDA device here; use device='cpu' (gloo)."
+            )
         if self.schedule not in SCHEDULES:
             raise ConfigurationError(f"schedule={self.schedule!r}: use one of {list(SCHEDULES)}.")
         if self.checkpoint_every < 0:

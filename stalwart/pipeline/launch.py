@@ -32,17 +32,21 @@ from stalwart.errors import ConfigurationError, StalwartError
 from stalwart.pipeline.faults import Fault
 from stalwart.pipeline.job import PipelineJob
 
-# Start workers without running stalwart/__init__.py: it imports Lightning (~15 s per process on
-# a loaded 2-core machine); the pipeline runtime needs only torch and its own package.
-_BOOT = (
-    "import importlib.util, sys, types\n"
+# Run a stalwart.pipeline module's main() without running stalwart/__init__.py: it imports
+# Lightning (~8 s of CPU per process on this 2-core machine); the pipeline runtime needs only
+# torch and its own package. Usage: python -c BOOT stalwart.pipeline.runtime --job ... (also
+# under torchrun: torchrun --no-python ... python -c BOOT stalwart.pipeline.node --job ...).
+BOOT = (
+    "import importlib, importlib.util, sys, types\n"
     "spec = importlib.util.find_spec('stalwart')\n"
     "pkg = types.ModuleType('stalwart')\n"
     "pkg.__path__ = list(spec.submodule_search_locations)\n"
     "sys.modules['stalwart'] = pkg\n"
-    "from stalwart.pipeline.runtime import main\n"
-    "sys.exit(main(sys.argv[1:]))\n"
+    "sys.exit(importlib.import_module(sys.argv[1]).main(sys.argv[2:]))\n"
 )
+
+
+ROLES = ("owner", "replica")
 
 
 class PipelineRunError(StalwartError):
@@ -56,7 +60,9 @@ class RunResult:
     Attributes:
         losses: per-step training loss (as computed by the owner of the last stage).
         step_seconds: per-step wall time on the last stage.
-        digests: ``{(step, stage): {"owner": sha256, "replica": sha256}}``.
+        digests: ``{(step, stage): {"owner": sha256, "replica": sha256}}`` (with D pipelines
+            also ``"owner@i"``/``"replica@i"`` for pipeline ``i > 0``: all must be equal).
+        programs_run: per rank, how many times it ran a step's program (a re-run counts).
         events: recoveries in order (kind, lost ranks, step, resume step, seconds, ...).
         exit_codes: per launch rank (negative = killed by that signal).
         frc_reused: per rank, how many forwards a shadow took from its eager-FRC cache.
@@ -72,6 +78,7 @@ class RunResult:
     frc_reused: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
     profile: dict[tuple[int, int], dict[str, list]] = field(default_factory=dict)
+    programs_run: dict[int, int] = field(default_factory=dict)
 
 
 class PipelineAgent:
@@ -281,7 +288,8 @@ def _spawn(job: PipelineJob, job_file: Path, port: int, faults_json: str, env: d
             [
                 sys.executable,
                 "-c",
-                _BOOT,
+                BOOT,
+                "stalwart.pipeline.runtime",
                 "--job",
                 str(job_file),
                 "--rank",
@@ -306,9 +314,10 @@ def _collect(store: PrefixStore, job: PipelineJob, codes: dict[int, int], secs: 
         times.append(float(store.get(f"time/{step}")))
     digests: dict[tuple[int, int], dict[str, str]] = {}
     if job.verify_replicas:
+        roles = [r + (f"@{i}" if i else "") for i in range(job.num_pipelines) for r in ROLES]
         for step in range(job.steps):
             for stage in range(job.num_stages):
-                for role in ("owner", "replica"):
+                for role in roles:
                     key = f"digest/{step}/{stage}/{role}"
                     if store.check([key]):
                         digests.setdefault((step, stage), {})[role] = store.get(key).decode()
@@ -320,4 +329,5 @@ def _collect(store: PrefixStore, job: PipelineJob, codes: dict[int, int], secs: 
             for rank in range(job.num_nodes):
                 if store.check([f"profile/{step}/{rank}"]):
                     profile[(step, rank)] = json.loads(store.get(f"profile/{step}/{rank}"))
-    return RunResult(losses, times, digests, events, codes, reused, secs, profile)
+    programs = {r: store.add(f"programs/{r}", 0) for r in range(job.num_nodes)}
+    return RunResult(losses, times, digests, events, codes, reused, secs, profile, programs)

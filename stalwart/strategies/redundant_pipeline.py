@@ -108,7 +108,8 @@ class RedundantPipelineStrategy(ParallelStrategy):
         num_stages: pipeline depth P (one worker process per stage).
         num_microbatches: micro-batches per step M (a batch is split into M parts).
         redundancy: ``"eager"`` (eager FRC, lazy BRC), ``"lazy"`` or ``"none"``.
-        num_pipelines: D (this runtime trains one pipeline).
+        num_pipelines: D data-parallel pipelines (P x D worker processes; the batch is split
+            into D shards, the gradients are summed across pipelines).
         failure_timeout: seconds before a silent peer is declared lost.
         schedule: ``"1f1b"`` or ``"gpipe"``.
         checkpoint_every: steps between the pipeline's own checkpoints (the fallback when two
@@ -149,7 +150,7 @@ class RedundantPipelineStrategy(ParallelStrategy):
             num_pipelines=num_pipelines, failure_timeout=failure_timeout, schedule=schedule,
             checkpoint_every=checkpoint_every, verify_replicas=True, batches_from_store=True,
         )  # fmt: skip
-        if num_pipelines != 1 or num_stages < 1 or num_microbatches < 1:
+        if min(num_pipelines, num_stages, num_microbatches) < 1:
             self.job.validate()  # raises the specific error before any process starts
         self.faults = list(faults)
         self.step_timeout = step_timeout
