@@ -10,7 +10,9 @@
    machine: FRC cannot hide in idle cores that do not exist, so eager's step is at least
    (CPU work of none + FRC) / cores.
 2. ``--breakdown``: CPU and wall milliseconds per instruction kind and stage, per variant.
-3. ``--replica-sync``: how to keep a replica fresh, measured: the owner ships its updated shard
+3. ``--stages 2``: the same with P = 2, which on a 2-core machine gives every stage a core of its
+   own — the setting the thesis' overhead numbers come from (one GPU per stage).
+4. ``--replica-sync``: how to keep a replica fresh, measured: the owner ships its updated shard
    (parameters and Adam's two moment tensors, 3N floats) vs the owner ships its reduced gradient
    (N floats) and the shadow applies the same Adam step. Both over gloo between two processes.
 
@@ -62,7 +64,7 @@ def step_times(args: argparse.Namespace) -> None:
     cores = len(os.sched_getaffinity(0))
     for m in args.microbatches:
         base = dict(
-            num_stages=4, num_microbatches=m, steps=args.steps, workload=LM,
+            num_stages=args.stages, num_microbatches=m, steps=args.steps, workload=LM,
             workload_kwargs=kwargs, batch_size=args.batch, partition="parameters",
             optimizer="adam", lr=1e-3, profile=True,
         )  # fmt: skip
@@ -76,7 +78,7 @@ def step_times(args: argparse.Namespace) -> None:
                 times[v] += result.step_seconds[WARMUP:]
                 profiles[v].append(_per_rank(result, range(WARMUP, args.steps)))
         none = statistics.median(times["none"])
-        bubble = 3 / (m + 3)
+        bubble = (args.stages - 1) / (m + args.stages - 1)
         print(f"\nM={m} micro-batches, stage layers {bounds}, 1F1B bubble (P-1)/(M+P-1) "
               f"= {bubble:.0%}")  # fmt: skip
         for v in VARIANTS:
@@ -199,12 +201,17 @@ def main() -> None:
         help="comma-separated numbers of micro-batches per step (one table each)",
     )  # fmt: skip
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument(
+        "--stages", type=int, default=4,
+        help="P (4: the must-show; 2 on a 2-core machine gives each stage its own core)",
+    )  # fmt: skip
     parser.add_argument("--dim", type=int, default=96)
     parser.add_argument("--breakdown", action="store_true", help="per-op per-stage times")
     parser.add_argument("--replica-sync", action="store_true", help="shard vs gradient sync")
     args = parser.parse_args()
-    print(f"machine: {len(os.sched_getaffinity(0))} CPU cores for 4 stage processes; load "
-          f"average {os.getloadavg()[0]:.2f} at start")  # fmt: skip
+    cores = len(os.sched_getaffinity(0))
+    print(f"machine: {cores} CPU cores for {args.stages} stage processes; load average "
+          f"{os.getloadavg()[0]:.2f} at start")  # fmt: skip
     if args.replica_sync:
         replica_sync()
     step_times(args)
