@@ -148,6 +148,7 @@ def run_simulate(args: argparse.Namespace) -> None:
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--pipelines", type=int, default=1, help="data-parallel pipelines D")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--redundancy", default="eager", choices=["eager", "lazy", "none"])
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
@@ -168,6 +169,7 @@ def run_pipeline(args: argparse.Namespace) -> None:
 
     job = PipelineJob(
         num_stages=args.stages, num_microbatches=args.microbatches, steps=args.steps,
+        num_pipelines=args.pipelines,
         redundancy=args.redundancy, schedule=args.schedule, workload=args.workload,
         batch_size=args.batch_size, failure_timeout=args.failure_timeout,
         checkpoint_every=args.checkpoint_every, verify_replicas=True,

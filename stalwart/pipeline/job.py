@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import asdict, dataclass, field, replace
 
@@ -19,6 +20,8 @@ from stalwart.pipeline.schedule import SCHEDULES
 from stalwart.pipeline.workloads import load_workload
 
 REDUNDANCY = ("eager", "lazy", "none")
+DEVICES = ("cpu", "cuda")
+FRC_POLICIES = ("bubble", "complete")
 OPTIMIZERS = ("sgd", "adam")
 
 
@@ -32,18 +35,37 @@ class PipelineJob:
         steps: optimizer steps to run.
         redundancy: ``"eager"`` (eager FRC + lazy BRC), ``"lazy"`` (replicas kept fresh, all
             redundant computation after a failure) or ``"none"`` (no replicas: any loss is fatal).
-        num_nodes: worker processes; at most P x D (one pipeline: D = 1), at least P.
+        frc_policy: with eager redundancy, ``"bubble"`` runs FRC only while the node waits
+            (receives, and the end-of-step wait for the slowest stage) and drops what is left
+            once the step commits — after the commit no failure can use it, and a failure
+            before it finishes the rest during recovery; ``"complete"`` finishes every FRC
+            before the node reports the step done (the thesis' schedule, on a device with
+            no spare compute to overlap it with).
+        num_nodes: worker processes; at least P, at most P x D (default P x D). Nodes beyond
+            the last full pipeline wait on standby.
+        num_pipelines: D data-parallel pipelines; the global batch is split into D shards and
+            the gradients are summed across pipelines at the end of each step.
         failure_timeout: seconds a send/recv or the rendezvous waits for a silent peer.
         workload: ``package.module:Class`` of a :class:`~stalwart.pipeline.workloads.Workload`.
         workload_kwargs: its keyword arguments.
         batch_size: global batch per step (split into M micro-batches).
-        optimizer: ``"sgd"`` (momentum 0.9) or ``"adam"``; ``lr`` its learning rate.
+        optimizer: ``"sgd"`` (momentum 0.9), ``"adam"``, or the import path of a
+            ``torch.optim.Optimizer`` class (``"torch.optim.AdamW"``); ``lr`` its learning
+            rate, ``optimizer_kwargs`` its other arguments. Every owner and shadow builds the
+            same optimizer for its shard.
         schedule: ``"1f1b"`` or ``"gpipe"``.
         partition: balance stages by ``"parameters"`` or measured ``"time"``.
         checkpoint_every: steps between checkpoints (0: only the initial one).
         checkpoint_dir: where stage checkpoints go.
         verify_replicas: publish a SHA-256 of every owner and replica state after each step.
+        profile: publish, per step and rank, the CPU and wall seconds spent in each kind of
+            instruction (the breakdown ``benchmarks/pipeline_overhead.py`` prints).
         seed: model initialisation seed (the same on every worker).
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (one GPU per worker, NCCL). The CUDA path is
+            written but UNTESTED: the machines this was built on have no GPU.
+        batches_from_store: driven mode: the workers take each step's batch from the store
+            (``batch/<step>``, put there by a driver such as the Lightning strategy) and run
+            until the driver sets ``stop``; ``steps`` is then not used.
         bounds: stage layer bounds ``[[start, end), ...]``; computed by :meth:`validate`
             from ``partition`` unless given.
     """
@@ -52,6 +74,7 @@ class PipelineJob:
     num_microbatches: int = 4
     steps: int = 8
     redundancy: str = "eager"
+    frc_policy: str = "bubble"
     num_nodes: int | None = None
     num_pipelines: int = 1
     failure_timeout: float = 10.0
@@ -60,11 +83,15 @@ class PipelineJob:
     batch_size: int = 32
     optimizer: str = "adam"
     lr: float = 1e-2
+    optimizer_kwargs: dict = field(default_factory=dict)
     schedule: str = "1f1b"
     partition: str = "parameters"
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
     verify_replicas: bool = False
+    profile: bool = False
+    batches_from_store: bool = False
+    device: str = "cpu"
     seed: int = 0
     bounds: list | None = None
 
@@ -72,12 +99,11 @@ class PipelineJob:
         """Check every field; return a copy with ``num_nodes`` and ``bounds`` filled in."""
         if self.num_stages < 1:
             raise ConfigurationError(f"num_stages={self.num_stages}: use at least 1 stage.")
-        if self.num_pipelines != 1:
-            raise ConfigurationError(
-                f"num_pipelines={self.num_pipelines}: this runtime trains one pipeline (D=1); "
-                "run several jobs or use num_pipelines=1."
-            )
-        nodes = self.num_nodes if self.num_nodes is not None else self.num_stages
+        if self.num_pipelines < 1:
+            raise ConfigurationError(f"num_pipelines={self.num_pipelines}: use at least 1.")
+        nodes = self.num_nodes
+        if nodes is None:
+            nodes = self.num_stages * self.num_pipelines
         if self.num_stages > nodes:
             raise ConfigurationError(
                 f"num_stages={self.num_stages} is larger than the world size {nodes}: every "
@@ -94,15 +120,22 @@ class PipelineJob:
             )
         if self.num_microbatches < 1 or self.steps < 1:
             raise ConfigurationError("num_microbatches and steps must be at least 1.")
-        if self.batch_size % self.num_microbatches:
+        if self.batch_size % (self.num_microbatches * self.num_pipelines):
             raise ConfigurationError(
-                f"batch_size={self.batch_size} must be a multiple of "
-                f"num_microbatches={self.num_microbatches}."
+                f"batch_size={self.batch_size} must be a multiple of num_microbatches x "
+                f"num_pipelines = {self.num_microbatches * self.num_pipelines}."
             )
         if self.redundancy not in REDUNDANCY:
             raise ConfigurationError(f"redundancy={self.redundancy!r}: use one of {REDUNDANCY}.")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigurationError(f"optimizer={self.optimizer!r}: use one of {OPTIMIZERS}.")
+        if self.frc_policy not in FRC_POLICIES:
+            raise ConfigurationError(f"frc_policy={self.frc_policy!r}: use one of {FRC_POLICIES}.")
+        optimizer_spec(self)  # raises for an unknown optimizer
+        if self.device not in DEVICES:
+            raise ConfigurationError(f"device={self.device!r}: use one of {DEVICES}.")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigurationError(
+                "device='cuda' but torch sees no CUDA device here; use device='cpu' (gloo)."
+            )
         if self.schedule not in SCHEDULES:
             raise ConfigurationError(f"schedule={self.schedule!r}: use one of {list(SCHEDULES)}.")
         if self.checkpoint_every < 0:
@@ -138,3 +171,22 @@ class PipelineJob:
     @classmethod
     def from_json(cls, text: str) -> PipelineJob:
         return cls(**json.loads(text))
+
+
+def optimizer_spec(job: PipelineJob) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The optimizer class and keyword arguments every stage owner and shadow builds."""
+    if job.optimizer == "sgd":
+        return torch.optim.SGD, {"lr": job.lr, "momentum": 0.9, **job.optimizer_kwargs}
+    if job.optimizer == "adam":
+        return torch.optim.Adam, {"lr": job.lr, **job.optimizer_kwargs}
+    module, _, name = job.optimizer.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigurationError(
+            f"optimizer={job.optimizer!r}: use {OPTIMIZERS} or the import path of a "
+            "torch.optim.Optimizer class, e.g. 'torch.optim.AdamW'."
+        )
+    return cls, {"lr": job.lr, **job.optimizer_kwargs}

@@ -21,28 +21,32 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torch.distributed import PrefixStore, TCPStore
+from torch.distributed import PrefixStore, Store, TCPStore
 
 from stalwart.errors import ConfigurationError, StalwartError
 from stalwart.pipeline.faults import Fault
 from stalwart.pipeline.job import PipelineJob
 
-# Start workers without running stalwart/__init__.py: it imports Lightning (~15 s per process on
-# a loaded 2-core machine); the pipeline runtime needs only torch and its own package.
-_BOOT = (
-    "import importlib.util, sys, types\n"
+# Run a stalwart.pipeline module's main() without running stalwart/__init__.py: it imports
+# Lightning (~8 s of CPU per process on this 2-core machine); the pipeline runtime needs only
+# torch and its own package. Usage: python -c BOOT stalwart.pipeline.runtime --job ... (also
+# under torchrun: torchrun --no-python ... python -c BOOT stalwart.pipeline.node --job ...).
+BOOT = (
+    "import importlib, importlib.util, sys, types\n"
     "spec = importlib.util.find_spec('stalwart')\n"
     "pkg = types.ModuleType('stalwart')\n"
     "pkg.__path__ = list(spec.submodule_search_locations)\n"
     "sys.modules['stalwart'] = pkg\n"
-    "from stalwart.pipeline.runtime import main\n"
-    "sys.exit(main(sys.argv[1:]))\n"
+    "sys.exit(importlib.import_module(sys.argv[1]).main(sys.argv[2:]))\n"
 )
+
+
+ROLES = ("owner", "replica")
 
 
 class PipelineRunError(StalwartError):
@@ -56,10 +60,13 @@ class RunResult:
     Attributes:
         losses: per-step training loss (as computed by the owner of the last stage).
         step_seconds: per-step wall time on the last stage.
-        digests: ``{(step, stage): {"owner": sha256, "replica": sha256}}``.
+        digests: ``{(step, stage): {"owner": sha256, "replica": sha256}}`` (with D pipelines
+            also ``"owner@i"``/``"replica@i"`` for pipeline ``i > 0``: all must be equal).
+        programs_run: per rank, how many times it ran a step's program (a re-run counts).
         events: recoveries in order (kind, lost ranks, step, resume step, seconds, ...).
         exit_codes: per launch rank (negative = killed by that signal).
         frc_reused: per rank, how many forwards a shadow took from its eager-FRC cache.
+        profile: with ``job.profile``, ``{(step, rank): {op: [cpu_s, wall_s, count]}}``.
         seconds: wall time of the run.
     """
 
@@ -70,6 +77,126 @@ class RunResult:
     exit_codes: dict[int, int] = field(default_factory=dict)
     frc_reused: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
+    profile: dict[tuple[int, int], dict[str, list]] = field(default_factory=dict)
+    programs_run: dict[int, int] = field(default_factory=dict)
+
+
+class PipelineAgent:
+    """Hosts the store, starts one worker per node, watches them and reports the dead.
+
+    Use as a context manager: the workers are killed (by pid) and reaped on exit.
+
+    Args:
+        job: the run (validated here: bad input raises before any process starts).
+        faults: kills/preemptions to inject.
+        start_method: ``"fork"`` (workers start in milliseconds from this process's imports)
+            or ``"spawn"`` (a fresh interpreter per worker, seconds each).
+
+    Example:
+        >>> with PipelineAgent(PipelineJob(num_stages=4, steps=3)) as agent:  # doctest: +SKIP
+        ...     agent.wait_until(lambda: agent.store.check(["loss/2"]), timeout=60)
+    """
+
+    def __init__(
+        self, job: PipelineJob, faults: Sequence[Fault] = (), start_method: str = "fork"
+    ) -> None:
+        if job.workload.startswith("in-memory:") and start_method != "fork":
+            raise ConfigurationError("an in-memory workload needs start_method='fork'.")
+        if start_method not in ("fork", "spawn"):
+            raise ConfigurationError(f"start_method={start_method!r}: use 'fork' or 'spawn'.")
+        self.job = job.validate()
+        for fault in faults:
+            if fault.rank >= self.job.num_nodes:
+                raise ConfigurationError(
+                    f"fault {fault}: there are only {self.job.num_nodes} ranks."
+                )
+        self.faults = list(faults)
+        self.start_method = start_method
+        self.exit_codes: dict[int, int] = {}
+        self.procs: dict[int, Any] = {}
+        self.started = time.monotonic()
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    def __enter__(self) -> PipelineAgent:
+        job = self.job
+        self._tmp = tempfile.TemporaryDirectory(prefix="stalwart-pipeline-")
+        tmp = Path(self._tmp.name)
+        if job.checkpoint_dir is None:
+            job.checkpoint_dir = str(tmp / "checkpoints")
+        job_file = tmp / "job.json"
+        job_file.write_text(job.to_json())
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        faults_json = json.dumps([f.to_dict() for f in self.faults])
+        try:
+            if self.start_method == "fork":
+                # Fork before this process starts the store's server thread: a child forked
+                # while that thread holds a lock inherits the lock held and hangs in its own
+                # TCPStore (seen here: ~1 launch in 10 hung in the worker's TCPStore).
+                self.procs, ports = _fork(job, faults_json)
+            self.master = TCPStore(
+                "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=30),
+            )  # fmt: skip
+            self.store = PrefixStore("run", self.master)
+            if self.start_method == "fork":
+                for conn in ports:
+                    conn.send(self.master.port)
+                    conn.close()
+            else:
+                self.procs = _spawn(job, job_file, self.master.port, faults_json, env)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.job.checkpoint_dir)
+
+    def poll(self) -> bool:
+        """Record exits; report a worker that exited without finishing as ``dead/<rank>`` (the
+        fast path of failure detection). True when every worker has exited."""
+        for rank, proc in self.procs.items():
+            code = proc.poll()
+            if rank in self.exit_codes or code is None:
+                continue
+            self.exit_codes[rank] = code
+            if not self.store.check([f"finished/{rank}"]):
+                self.store.set(f"dead/{rank}", f"exit code {code}")
+        return len(self.exit_codes) == len(self.procs)
+
+    def pid(self, rank: int) -> int:
+        proc = self.procs[rank]
+        return proc.process.pid if isinstance(proc, _Forked) else proc.pid
+
+    def wait_until(
+        self, condition: Callable[[], bool], timeout: float, what: str = "the run"
+    ) -> None:
+        """Poll the workers until ``condition()``; raise :class:`PipelineRunError` if every
+        worker has exited first, or after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if self.poll() and not condition():
+                raise PipelineRunError(
+                    f"every worker exited before {what} (exit codes {self.exit_codes}); "
+                    f"events {collect_events(self.store)}. A suspended job resumes from its "
+                    "last checkpoint when enough nodes are back."
+                )
+            if time.monotonic() > deadline:
+                raise PipelineRunError(
+                    f"{what} did not finish within {timeout:.0f}s; workers killed. "
+                    "Raise the timeout or look for a hung peer."
+                )
+            time.sleep(0.005)
 
 
 def launch(
@@ -86,75 +213,34 @@ def launch(
         faults: kills/preemptions to inject.
         timeout: seconds before the run is declared hung; the workers are then killed.
         progress: print each completed step.
-        start_method: ``"fork"`` (workers start in milliseconds from this process's imports)
-            or ``"spawn"`` (a fresh interpreter per worker, seconds each).
+        start_method: ``"fork"`` or ``"spawn"`` (see :class:`PipelineAgent`).
     """
-    if job.workload.startswith("in-memory:") and start_method != "fork":
-        raise ConfigurationError("an in-memory workload needs start_method='fork'.")
-    job = job.validate()
-    for fault in faults:
-        if fault.rank >= job.num_nodes:
-            raise ConfigurationError(f"fault {fault}: there are only {job.num_nodes} ranks.")
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="stalwart-pipeline-") as tmp:
-        if job.checkpoint_dir is None:
-            job.checkpoint_dir = str(Path(tmp) / "checkpoints")
-        job_file = Path(tmp) / "job.json"
-        job_file.write_text(job.to_json())
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        faults_json = json.dumps([f.to_dict() for f in faults])
-        if start_method == "fork":
-            # Fork before this process starts the store's server thread: a child forked while
-            # that thread holds a lock inherits the lock held and hangs in its own TCPStore
-            # (seen here: ~1 launch in 10 hung in the worker's TCPStore constructor).
-            procs, ports = _fork(job, faults_json)
-        elif start_method != "spawn":
-            raise ConfigurationError(f"start_method={start_method!r}: use 'fork' or 'spawn'.")
-        master = TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=30),
-        )  # fmt: skip
-        store = PrefixStore("run", master)
-        if start_method == "fork":
-            for conn in ports:
-                conn.send(master.port)
-                conn.close()
-        else:
-            procs = _spawn(job, job_file, master.port, faults_json, env)
-        exit_codes: dict[int, int] = {}
+    with PipelineAgent(job, faults, start_method) as agent:
         reported = 0
-        try:
-            while len(exit_codes) < len(procs):
-                for rank, proc in procs.items():
-                    code = proc.poll()
-                    if rank in exit_codes or code is None:
-                        continue
-                    exit_codes[rank] = code
-                    if not store.check([f"finished/{rank}"]):
-                        store.set(f"dead/{rank}", f"exit code {code}")
-                if progress:
-                    while store.check([f"loss/{reported}"]):
-                        print(f"step {reported}: loss {float(store.get(f'loss/{reported}')):.5f}")
-                        reported += 1
-                if time.monotonic() - started > timeout:
-                    raise PipelineRunError(
-                        f"the run did not finish within {timeout:.0f}s; workers killed. "
-                        "Raise the timeout or look for a hung peer."
-                    )
-                time.sleep(0.01)
-        finally:
-            for proc in procs.values():
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
-        result = _collect(store, job, exit_codes, time.monotonic() - started)
+
+        def all_exited() -> bool:
+            nonlocal reported
+            while progress and agent.store.check([f"loss/{reported}"]):
+                print(f"step {reported}: loss {float(agent.store.get(f'loss/{reported}')):.5f}")
+                reported += 1
+            return len(agent.exit_codes) == len(agent.procs)
+
+        agent.wait_until(all_exited, timeout)
+        job = agent.job
+        result = _collect(agent.store, job, agent.exit_codes, time.monotonic() - agent.started)
     if len(result.losses) < job.steps:
         raise PipelineRunError(
             f"training stopped before step {job.steps} ({len(result.losses)} steps done); exit "
-            f"codes {exit_codes}; events {result.events}. A suspended job resumes from its "
-            "last checkpoint when enough nodes are back."
+            f"codes {result.exit_codes}; events {result.events}. A suspended job resumes from "
+            "its last checkpoint when enough nodes are back."
         )
     return result
+
+
+def collect_events(store: Store) -> list[dict]:
+    """The recoveries recorded so far, in order."""
+    count = store.add("events", 0)
+    return [json.loads(store.get(f"event/{n}")) for n in range(1, count + 1)]
 
 
 class _Forked:
@@ -202,7 +288,8 @@ def _spawn(job: PipelineJob, job_file: Path, port: int, faults_json: str, env: d
             [
                 sys.executable,
                 "-c",
-                _BOOT,
+                BOOT,
+                "stalwart.pipeline.runtime",
                 "--job",
                 str(job_file),
                 "--rank",
@@ -227,15 +314,20 @@ def _collect(store: PrefixStore, job: PipelineJob, codes: dict[int, int], secs: 
         times.append(float(store.get(f"time/{step}")))
     digests: dict[tuple[int, int], dict[str, str]] = {}
     if job.verify_replicas:
+        roles = [r + (f"@{i}" if i else "") for i in range(job.num_pipelines) for r in ROLES]
         for step in range(job.steps):
             for stage in range(job.num_stages):
-                for role in ("owner", "replica"):
+                for role in roles:
                     key = f"digest/{step}/{stage}/{role}"
                     if store.check([key]):
                         digests.setdefault((step, stage), {})[role] = store.get(key).decode()
-    events = []
-    count = store.add("events", 0)
-    for n in range(1, count + 1):
-        events.append(json.loads(store.get(f"event/{n}")))
+    events = collect_events(store)
     reused = {r: store.add(f"frc_reused/{r}", 0) for r in range(job.num_nodes)}
-    return RunResult(losses, times, digests, events, codes, reused, secs)
+    profile = {}
+    if job.profile:
+        for step in range(job.steps):
+            for rank in range(job.num_nodes):
+                if store.check([f"profile/{step}/{rank}"]):
+                    profile[(step, rank)] = json.loads(store.get(f"profile/{step}/{rank}"))
+    programs = {r: store.add(f"programs/{r}", 0) for r in range(job.num_nodes)}
+    return RunResult(losses, times, digests, events, codes, reused, secs, profile, programs)

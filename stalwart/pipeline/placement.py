@@ -164,3 +164,124 @@ def should_reconfigure(
     if 0 < missing <= standby:
         return True
     return standby > 0 and any(placement.fatal_if_lost(r) for r in placement.ranks)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """D data-parallel pipelines: their placements, which data shards each one trains, and the
+    nodes on standby.
+
+    The global batch of a step is split into ``num_pipelines`` (the D the job started with)
+    shards of M micro-batches. Each active pipeline trains its shards one after another and the
+    gradients are summed across pipelines, so dropping a pipeline hands its shards to the others
+    and the global batch and learning rate never change.
+
+    Args:
+        pipelines: one :class:`Placement` per active pipeline (global ranks).
+        shards: ``shards[i]`` are the data shards pipeline ``i`` trains each step.
+        standby: live nodes in no pipeline, waiting to replace a lost one.
+    """
+
+    pipelines: tuple[Placement, ...]
+    shards: tuple[tuple[int, ...], ...]
+    standby: tuple[int, ...] = ()
+
+    @classmethod
+    def initial(
+        cls, num_stages: int, num_pipelines: int, ranks: Sequence[int], redundancy: bool = True
+    ) -> Layout:
+        """As many full pipelines as :func:`plan_cluster` allows on ``ranks`` (contiguous blocks
+        of P ranks), the D shards dealt round robin, the remaining ranks on standby. Fewer than
+        P ranks form one pipeline with several stages per node (the checkpoint fallback)."""
+        ranks = sorted(ranks)
+        plan = plan_cluster(num_stages, num_pipelines, len(ranks))
+        if plan.pipelines:
+            blocks = [ranks[i * num_stages : (i + 1) * num_stages] for i in range(plan.pipelines)]
+            standby = tuple(ranks[plan.active : plan.active + plan.standby])
+        else:
+            blocks, standby = [ranks], ()
+        pipelines = []
+        for block in blocks:
+            placement = Placement.initial(num_stages, block)
+            if not redundancy:
+                placement = Placement(placement.owner, (None,) * num_stages)
+            pipelines.append(placement)
+        return cls(tuple(pipelines), _deal(range(num_pipelines), len(blocks)), standby)
+
+    @property
+    def members(self) -> list[int]:
+        """The ranks that train (in some pipeline), sorted."""
+        return sorted({r for p in self.pipelines for r in p.ranks})
+
+    def pipeline_of(self, rank: int) -> int | None:
+        for i, placement in enumerate(self.pipelines):
+            if rank in placement.ranks:
+                return i
+        return None
+
+
+def _deal(shards: Iterable[int], pipelines: int) -> tuple[tuple[int, ...], ...]:
+    dealt: list[list[int]] = [[] for _ in range(pipelines)]
+    for n, shard in enumerate(sorted(shards)):
+        dealt[n % pipelines].append(shard)
+    return tuple(tuple(d) for d in dealt)
+
+
+@dataclass(frozen=True)
+class LayoutRecovery:
+    """Outcome of :func:`plan_layout`. ``kind``: ``"failover"`` (every pipeline kept; shadows
+    took over), ``"reconfigure"`` (pipelines with a lost stage dropped, their shards dealt to the
+    others, their live nodes to standby — no checkpoint), ``"fallback"`` (no pipeline left
+    whole: re-form from the last checkpoint) or ``"suspend"``."""
+
+    kind: str
+    layout: Layout | None
+    lost: tuple[int, ...]
+    reason: str = ""
+
+
+def plan_layout(
+    layout: Layout, alive: Iterable[int], num_pipelines: int, redundancy: bool = True
+) -> LayoutRecovery:
+    """Decide how the live ranks continue (thesis §3.5 failover and §3.7 reconfiguration).
+
+    Each pipeline recovers on its own (:func:`plan_recovery`): a lost stage with a live replica
+    fails over to its shadow. A pipeline with a stage that has no live copy is dropped rather
+    than rebuilt unevenly (symmetric pipelines); its live nodes go on standby and its data shards
+    to the surviving pipelines, so no checkpoint is loaded while one pipeline is whole. Only when
+    no pipeline survives do the live nodes (standby included) re-form as many full pipelines as
+    :func:`plan_cluster` allows from the last checkpoint — never more than P x D nodes, since
+    nodes are only ever lost here.
+    """
+    alive_set = set(alive)
+    everyone = set(layout.members) | set(layout.standby)
+    lost = tuple(sorted(r for r in everyone if r not in alive_set))
+    kept: list[tuple[Placement, tuple[int, ...]]] = []
+    orphans: list[int] = []
+    standby = [r for r in layout.standby if r in alive_set]
+    reasons = []
+    for placement, shards in zip(layout.pipelines, layout.shards, strict=True):
+        rec = plan_recovery(placement, alive_set)
+        if rec.kind == "failover":
+            kept.append((rec.placement, shards))
+        else:
+            orphans += shards
+            standby += [r for r in placement.ranks if r in alive_set]
+            reasons.append(rec.reason)
+    if not lost:
+        return LayoutRecovery("failover", layout, lost, "nothing lost")
+    if kept:
+        shards = [list(s) for _, s in kept]
+        for n, shard in enumerate(sorted(orphans)):
+            shards[n % len(kept)].append(shard)
+        dealt = tuple(tuple(sorted(s)) for s in shards)
+        new = Layout(tuple(p for p, _ in kept), dealt, tuple(sorted(standby)))
+        if orphans:
+            return LayoutRecovery("reconfigure", new, lost, "; ".join(reasons))
+        return LayoutRecovery("failover", new, lost, "shadow takes over")
+    survivors = sorted(standby)
+    num_stages = layout.pipelines[0].num_stages
+    if not survivors:
+        return LayoutRecovery("suspend", None, lost, "no node left")
+    new = Layout.initial(num_stages, num_pipelines, survivors, redundancy)
+    return LayoutRecovery("fallback", new, lost, "; ".join(reasons))

@@ -1,25 +1,44 @@
 """``RedundantPipelineStrategy``: Lightning pipeline training that survives preemption.
 
-A thin adapter over :mod:`stalwart.pipeline`. ``trainer.fit`` hands the LightningModule's
-layers (its ``pipeline_layers()``, or an ``nn.Sequential`` attribute ``model``) and the
-training batches to the pipeline agent, which forks one worker per stage; the workers train
-with redundant computation, survive lost peers, and the trained weights are loaded back into
-the module. Lightning's own fit loop and its SIGTERM handling are not used inside the
-workers: a SIGTERM there means "this node leaves", and the others carry on.
+A thin adapter over :mod:`stalwart.pipeline`. Lightning's own fit loop runs in the user's
+process (the *driver*): its callbacks, ``self.log``, validation, ``ModelCheckpoint``,
+``max_steps``/``max_epochs`` and early stopping all work as usual. What changes is who computes
+a training step: at ``on_train_start`` the strategy forks one worker per pipeline stage (the
+agent of :mod:`stalwart.pipeline.launch`, which hosts the rendezvous store); each training step
+hands the batch to the workers through the store and waits for the step's loss. The workers run
+the LightningModule's layers (``pipeline_layers()`` or an ``nn.Sequential`` attribute
+``model``) with redundant computation and keep training through lost peers. Before validation,
+before a checkpoint is saved and at the end of fit, the driver pulls the stage weights back into
+the LightningModule, so ``validation_step`` and every callback see the trained model.
+
+Why this shape: the driver is not a pipeline stage, so no stage's death can take Lightning's loop
+with it, and Lightning's SIGTERM handling (which stops the whole run) lives only in the driver.
+A worker that receives SIGTERM leaves — it reports itself in the store and exits — and the
+others carry on. Validation runs on the full model in the driver, which needs the model to fit
+in one process.
+
+What the step does not use: ``training_step`` (Lightning requires one; write the
+single-process equivalent) — the pipeline computes ``pipeline_loss(layers(x), y)``
+(``pipeline_loss`` defaults to cross-entropy) on batches ``(x, y, ...)``. The optimizer is the one
+``configure_optimizers`` returns (class and hyperparameters, one parameter group), rebuilt per
+stage on every owner and shadow; learning-rate schedulers, gradient clipping and gradient
+accumulation are refused with a clear error (the pipeline's micro-batches are its accumulation).
 
 Example:
     >>> strategy = RedundantPipelineStrategy(num_stages=4, num_microbatches=4)
     >>> trainer = lightning.Trainer(strategy=strategy, accelerator="cpu", devices=1,
-    ...                             max_steps=20)                        # doctest: +SKIP
-    >>> trainer.fit(module, datamodule)                                  # doctest: +SKIP
-    >>> strategy.result.losses[-1]                                       # doctest: +SKIP
+    ...                             max_epochs=2)                        # doctest: +SKIP
+    >>> trainer.fit(module, train_loader, val_loader)                   # doctest: +SKIP
+    >>> strategy.result.events                                          # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import copy
-import tempfile
-from collections.abc import Sequence
+import io
+import json
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +46,21 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.trainer.states import TrainerStatus
 from torch import nn
+from torch.optim import Optimizer
 
 from stalwart.errors import ConfigurationError
 from stalwart.pipeline.faults import Fault
 from stalwart.pipeline.job import REDUNDANCY, PipelineJob
-from stalwart.pipeline.launch import RunResult, launch
+from stalwart.pipeline.launch import PipelineAgent, RunResult, _collect
+from stalwart.pipeline.runtime import latest_checkpoint
 from stalwart.pipeline.workloads import IN_MEMORY, Workload
 
 
 class LightningWorkload(Workload):
-    """A LightningModule's layers and loss, and the batches of a dataloader, in order."""
+    """A LightningModule's layers and loss (the batches come from the driver, step by step)."""
 
-    def __init__(self, module: pl.LightningModule, batches: list) -> None:
+    def __init__(self, module: pl.LightningModule) -> None:
         if hasattr(module, "pipeline_layers"):
             self._layers = list(module.pipeline_layers())
         elif isinstance(getattr(module, "model", None), nn.Sequential):
@@ -51,52 +70,35 @@ class LightningWorkload(Workload):
                 f"{type(module).__name__} has no layers to pipeline: define "
                 "`pipeline_layers()` returning a list of modules, or an nn.Sequential `model`."
             )
-        self.module, self.batches = module, batches
+        self.module = module
 
     def layers(self) -> list[nn.Module]:
-        # Copies of the module's own initial layers: every worker starts from the same weights.
+        # Copies of the module's own current layers: every worker starts from the same weights.
         return [copy.deepcopy(layer) for layer in self._layers]
 
-    def microbatch(self, step, index, num_microbatches, batch_size):
-        x, y = self.batches[step % len(self.batches)][:2]
-        return x.tensor_split(num_microbatches)[index], y.tensor_split(num_microbatches)[index]
-
-    def loss(self, output, target):
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if hasattr(self.module, "pipeline_loss"):
             return self.module.pipeline_loss(output, target)
         return super().loss(output, target)
 
 
-class _PipelineLauncher(_Launcher):
-    """Replaces Lightning's fit loop with the pipeline agent (it forks the stage workers)."""
-
-    def __init__(self, strategy: RedundantPipelineStrategy) -> None:
-        self.strategy = strategy
-
-    @property
-    def is_interactive_compatible(self) -> bool:
-        return True
-
-    def kill(self, signum: Any) -> None:
-        """Workers are stopped by the agent itself (by pid) when the run ends or hangs."""
-
-    def launch(self, function: Any, *args: Any, trainer: pl.Trainer, **kwargs: Any) -> Any:
-        module = args[0]
-        loaders = args[1] if len(args) > 1 else kwargs.get("train_dataloaders")
-        datamodule = args[3] if len(args) > 3 else kwargs.get("datamodule")
-        if datamodule is None and isinstance(loaders, pl.LightningDataModule):
-            datamodule = loaders
-        if datamodule is not None:
-            datamodule.setup("fit")
-            loaders = datamodule.train_dataloader()
-        if loaders is None:
-            raise ConfigurationError("fit needs train_dataloaders or a datamodule.")
-        batches = list(loaders)
-        steps = trainer.max_steps if trainer.max_steps > 0 else trainer.max_epochs * len(batches)
-        result = self.strategy.run(module, batches, steps)
-        trainer.callback_metrics["train_loss"] = torch.tensor(result.losses[-1])
-        trainer.state.status = TrainerStatus.FINISHED
-        return None
+def _optimizer_description(optimizer: Optimizer) -> tuple[str, dict]:
+    """Import path and JSON-able hyperparameters of the driver's optimizer."""
+    if len(optimizer.param_groups) != 1:
+        raise ConfigurationError(
+            "configure_optimizers returned an optimizer with several parameter groups: the "
+            "pipeline rebuilds one optimizer per stage from the class and its defaults; use one "
+            "parameter group."
+        )
+    cls = type(optimizer)
+    try:
+        kwargs = json.loads(json.dumps(optimizer.defaults))
+    except TypeError:
+        raise ConfigurationError(
+            f"{cls.__name__}'s hyperparameters {optimizer.defaults} cannot be sent to the stage "
+            "workers; use plain numbers."
+        ) from None
+    return f"{cls.__module__}.{cls.__qualname__}", kwargs
 
 
 class RedundantPipelineStrategy(ParallelStrategy):
@@ -104,15 +106,20 @@ class RedundantPipelineStrategy(ParallelStrategy):
 
     Args:
         num_stages: pipeline depth P (one worker process per stage).
-        num_microbatches: micro-batches per step M (the batch size must be a multiple).
+        num_microbatches: micro-batches per step M (a batch is split into M parts).
         redundancy: ``"eager"`` (eager FRC, lazy BRC), ``"lazy"`` or ``"none"``.
-        num_pipelines: D (this runtime trains one pipeline).
+        num_pipelines: D data-parallel pipelines (P x D worker processes; the batch is split
+            into D shards, the gradients are summed across pipelines).
         failure_timeout: seconds before a silent peer is declared lost.
-        optimizer: ``"adam"`` or ``"sgd"``; ``lr`` its learning rate (the module's
-            ``configure_optimizers`` is not used: every stage owner and its shadow build
-            the same optimizer for their shard).
-        checkpoint_every: steps between checkpoints (the fallback for fatal failures).
+        schedule: ``"1f1b"`` or ``"gpipe"``.
+        checkpoint_every: steps between the pipeline's own checkpoints (the fallback when two
+            consecutive stages are lost; 0 = only the initial one).
         faults: faults to inject (testing and demos).
+        step_timeout: seconds the driver waits for one step (or one weight pull) before it
+            declares the pipeline hung.
+
+    Example:
+        >>> RedundantPipelineStrategy(num_stages=4, num_microbatches=8, redundancy="lazy")
     """
 
     strategy_name = "redundant_pipeline"
@@ -124,12 +131,10 @@ class RedundantPipelineStrategy(ParallelStrategy):
         redundancy: str = "eager",
         num_pipelines: int = 1,
         failure_timeout: float = 10.0,
-        optimizer: str = "adam",
-        lr: float = 1e-3,
         schedule: str = "1f1b",
         checkpoint_every: int = 0,
         faults: Sequence[Fault] = (),
-        timeout: float = 3600.0,
+        step_timeout: float = 600.0,
     ) -> None:
         super().__init__(
             parallel_devices=[torch.device("cpu")], cluster_environment=LightningEnvironment()
@@ -142,51 +147,189 @@ class RedundantPipelineStrategy(ParallelStrategy):
             )
         self.job = PipelineJob(
             num_stages=num_stages, num_microbatches=num_microbatches, redundancy=redundancy,
-            num_pipelines=num_pipelines, failure_timeout=failure_timeout, optimizer=optimizer,
-            lr=lr, schedule=schedule, checkpoint_every=checkpoint_every, verify_replicas=True,
+            num_pipelines=num_pipelines, failure_timeout=failure_timeout, schedule=schedule,
+            checkpoint_every=checkpoint_every, verify_replicas=True, batches_from_store=True,
         )  # fmt: skip
-        if num_pipelines != 1 or num_stages < 1 or num_microbatches < 1:
+        if min(num_pipelines, num_stages, num_microbatches) < 1:
             self.job.validate()  # raises the specific error before any process starts
         self.faults = list(faults)
-        self.timeout = timeout
+        self.step_timeout = step_timeout
         self.result: RunResult | None = None
+        self._agent: PipelineAgent | None = None
+        self._workload: LightningWorkload | None = None
+        self._step = 0  # pipeline steps run (the workers' step counter)
+        self._weights_step = 0  # the step whose weights the LightningModule holds
+        self._forgotten = 0  # batches before this step were deleted from the store
+        self._started = 0.0
 
-    # -- the pipeline run -------------------------------------------------------------
-    def run(self, module: pl.LightningModule, batches: list, steps: int) -> RunResult:
-        workload = LightningWorkload(module, batches)
-        name = f"in-memory:{id(workload)}"
-        IN_MEMORY[name] = workload
-        first = batches[0][0]
-        with tempfile.TemporaryDirectory(prefix="stalwart-pipeline-ckpt-") as tmp:
-            job = PipelineJob(**{**self.job.__dict__, "workload": name, "steps": steps,
-                                 "batch_size": len(first), "checkpoint_dir": tmp})  # fmt: skip
-            try:
-                bounds = job.validate().bounds  # bad input fails here, before any process
-                self.result = launch(job, faults=self.faults, timeout=self.timeout)
-            finally:
-                IN_MEMORY.pop(name, None)
-            final = Path(tmp) / f"step-{steps:06d}"
-            for stage, (start, end) in enumerate(bounds):
-                state = torch.load(final / f"stage-{stage}.pt", weights_only=True)["module"]
-                nn.Sequential(*workload._layers[start:end]).load_state_dict(state)
-        return self.result
+    # -- workers ----------------------------------------------------------------------
+    @property
+    def is_distributed(self) -> bool:
+        return False  # one driver process: Lightning must not shard the dataloaders
 
-    # -- ParallelStrategy ------------------------------------------------------------
+    def worker_pid(self, rank: int) -> int:
+        """The process id of a stage worker (to deliver a real signal to it)."""
+        if self._agent is None:
+            raise ConfigurationError("the pipeline workers start with training (on_train_start).")
+        return self._agent.pid(rank)
+
+    def on_train_start(self) -> None:
+        module = self.lightning_module
+        self._workload = LightningWorkload(module)
+        name = f"in-memory:{id(self._workload)}"
+        optimizer, kwargs = _optimizer_description(self.optimizers[0])
+        job = PipelineJob(
+            **{**self.job.__dict__, "workload": name, "optimizer": optimizer,
+               "lr": kwargs.pop("lr"), "optimizer_kwargs": kwargs},
+        )  # fmt: skip
+        IN_MEMORY[name] = self._workload
+        try:
+            self._agent = PipelineAgent(job, self.faults).__enter__()
+        finally:
+            IN_MEMORY.pop(name, None)  # the forked workers have their copy
+        self._step = self._weights_step = self._forgotten = 0
+        self._started = time.monotonic()
+
+    def _wait(self, condition: Callable[[], bool], what: str) -> None:
+        assert self._agent is not None
+        self._agent.wait_until(condition, self.step_timeout, what)
+
+    def _pull_weights(self) -> None:
+        """Load the stages' current weights into the LightningModule (once per step)."""
+        agent = self._agent
+        if agent is None or self._weights_step == self._step:
+            return
+        step = self._step
+        agent.store.set(f"sync/{step}", "1")
+        folder = agent.checkpoint_dir / f"step-{step:06d}"
+        P = agent.job.num_stages
+        self._wait(
+            lambda: all((folder / f"stage-{s}.pt").exists() for s in range(P)),
+            f"the stage weights of step {step}",
+        )
+        self._load_stage_files(folder, agent.job.bounds)
+        self._weights_step = step
+
+    def _load_stage_files(self, folder: Path, bounds: list) -> None:
+        assert self._workload is not None
+        layers = self._workload._layers
+        for stage, (start, end) in enumerate(bounds):
+            state = torch.load(folder / f"stage-{stage}.pt", weights_only=True)["module"]
+            nn.Sequential(*layers[start:end]).load_state_dict(state)
+
+    def _stop_workers(self) -> None:
+        agent, self._agent = self._agent, None
+        if agent is None:
+            return
+        try:
+            agent.store.set("stop", "1")
+            agent.wait_until(agent.poll, 60, "the workers' exit")
+            job = PipelineJob(**{**agent.job.__dict__, "steps": self._step})
+            self.result = _collect(
+                agent.store, job, agent.exit_codes, time.monotonic() - self._started
+            )
+        finally:
+            agent.__exit__(None, None, None)
+
+    # -- the training step --------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.accumulate_grad_batches != 1:
+            raise ConfigurationError(
+                "accumulate_grad_batches must be 1: the pipeline's micro-batches already "
+                "accumulate gradients within a step; raise num_microbatches instead."
+            )
+        if trainer.gradient_clip_val:
+            raise ConfigurationError(
+                "gradient_clip_val is not supported by the pipeline workers; remove it."
+            )
+        super().setup(trainer)
+        if trainer.lr_scheduler_configs:
+            raise ConfigurationError(
+                "learning-rate schedulers are not supported by the pipeline workers (each stage "
+                "owner and shadow builds its own optimizer); return only an optimizer."
+            )
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One pipeline step on the batch: the workers compute it; the loss comes back."""
+        batch = args[0] if args else kwargs["batch"]
+        if not isinstance(batch, list | tuple) or len(batch) < 2:
+            raise ConfigurationError(
+                "a pipeline batch must be a sequence (inputs, targets, ...); got "
+                f"{type(batch).__name__}."
+            )
+        agent = self._agent
+        assert agent is not None
+        step = self._step
+        buffer = io.BytesIO()
+        torch.save((batch[0], batch[1]), buffer)
+        agent.store.set(f"batch/{step}", buffer.getvalue())
+        self._wait(lambda: agent.store.check([f"loss/{step}"]), f"step {step}")
+        loss = torch.tensor(float(agent.store.get(f"loss/{step}")))
+        self._step += 1
+        self._forget_batches()
+        self.lightning_module.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def _forget_batches(self) -> None:
+        """Drop the batches before the last complete checkpoint: a fallback never re-runs them."""
+        agent = self._agent
+        assert agent is not None
+        oldest = latest_checkpoint(agent.checkpoint_dir, agent.job.num_stages) or 0
+        for step in range(self._forgotten, oldest):
+            agent.store.delete_key(f"batch/{step}")
+        self._forgotten = max(self._forgotten, oldest)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kw: Any) -> Any:
+        """The workers ran the backward pass of the step."""
+        return closure_loss
+
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        """Run the step (the closure calls :meth:`training_step`); the workers' owners and
+        shadows have applied the optimizer to their shards — the driver's copy is not used."""
+        return closure()
+
+    # -- weights back into the LightningModule ---------------------------------------------
+    def on_validation_start(self) -> None:
+        self._pull_weights()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._pull_weights()
+        return super().lightning_module_state_dict()
+
+    def on_train_end(self) -> None:
+        self._pull_weights()
+        self._stop_workers()
+
+    def on_exception(self, exception: BaseException) -> None:
+        agent, self._agent = self._agent, None
+        if agent is not None:
+            agent.__exit__(None, None, None)
+
+    def teardown(self) -> None:
+        self.on_exception(RuntimeError("teardown"))
+        super().teardown()
+
+    # -- ParallelStrategy ------------------------------------------------------------------
     def _configure_launcher(self) -> None:
-        self._launcher = _PipelineLauncher(self)
+        self._launcher = None  # Lightning's loop runs here; the workers are forked at train start
 
     @property
     def root_device(self) -> torch.device:
         return torch.device("cpu")
 
     def model_to_device(self) -> None:
-        """Stages live in the worker processes; nothing to move here."""
+        """The driver's copy stays on the CPU; the stages live in the workers."""
 
     def barrier(self, name: str | None = None) -> None:
-        """Single controlling process: nothing to wait for."""
+        """Single driver process: nothing to wait for."""
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> Any:
         return tensor

@@ -42,6 +42,9 @@ def test_other_bad_fields():
     launch_fails("multiple of", batch_size=30)
     launch_fails("P x D", num_nodes=5)
     launch_fails("only 4 ranks", faults=[Fault(rank=7, step=0)])
+    launch_fails("no CUDA device", device="cuda")  # this machine has no GPU
+    launch_fails("num_pipelines", num_pipelines=0)
+    launch_fails("multiple of num_microbatches x num_pipelines", num_pipelines=3)
     with pytest.raises(ConfigurationError, match="phase"):
         Fault(rank=0, step=0, phase="sideways")
     with pytest.raises(ConfigurationError, match="rank:step"):

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+
 from stalwart.pipeline.placement import (
+    Layout,
     Placement,
     plan_cluster,
+    plan_layout,
     plan_recovery,
     should_reconfigure,
 )
@@ -71,3 +75,54 @@ def test_reconfiguration_triggers():
     degraded = plan_recovery(p, alive=[0, 1, 3]).placement
     assert should_reconfigure(degraded, standby=1, num_stages=4, failures_pending=False)
     assert not should_reconfigure(degraded, standby=0, num_stages=4, failures_pending=False)
+
+
+def test_layout_of_two_pipelines_and_of_too_few_nodes():
+    two = Layout.initial(4, 2, range(8))
+    assert [p.ranks for p in two.pipelines] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert two.shards == ((0,), (1,)) and two.standby == ()
+    assert two.pipelines[1].replica == (7, 4, 5, 6)  # replicas stay inside their pipeline
+    six = Layout.initial(4, 2, range(6))  # symmetric: one pipeline trains both shards
+    assert [p.ranks for p in six.pipelines] == [[0, 1, 2, 3]]
+    assert six.shards == ((0, 1),) and six.standby == (4, 5)
+
+
+def test_failover_in_one_pipeline_leaves_the_other_untouched():
+    two = Layout.initial(4, 2, range(8))
+    rec = plan_layout(two, alive=[0, 1, 2, 3, 4, 5, 7], num_pipelines=2)
+    assert rec.kind == "failover" and rec.lost == (6,)
+    assert rec.layout.pipelines[0] == two.pipelines[0]
+    assert rec.layout.pipelines[1].owner == (4, 5, 5, 7) and rec.layout.shards == two.shards
+
+
+def test_a_pipeline_without_a_live_copy_is_dropped_to_standby():
+    two = Layout.initial(4, 2, range(8))
+    rec = plan_layout(two, alive=[0, 1, 2, 3, 4, 7], num_pipelines=2)
+    assert rec.kind == "reconfigure" and rec.lost == (5, 6)
+    assert rec.layout.pipelines == (two.pipelines[0],)
+    assert rec.layout.shards == ((0, 1),) and rec.layout.standby == (4, 7)
+    # No pipeline whole: re-form from the checkpoint on the survivors, standby included.
+    rec = plan_layout(rec.layout, alive=[0, 3, 4, 7], num_pipelines=2)
+    assert rec.kind == "fallback" and [p.ranks for p in rec.layout.pipelines] == [[0, 3, 4, 7]]
+    assert plan_layout(rec.layout, alive=[], num_pipelines=2).kind == "suspend"
+
+
+def test_every_loss_pattern_keeps_the_policy_invariants():
+    """All 2^8 sets of survivors of a P=4, D=2 layout: depth P, each shard trained exactly once,
+    only live nodes used, never more than P x D, a checkpoint only when no pipeline is whole."""
+    two = Layout.initial(4, 2, range(8))
+    for size in range(9):
+        for alive in itertools.combinations(range(8), size):
+            rec = plan_layout(two, alive=alive, num_pipelines=2)
+            if rec.kind == "suspend":
+                assert not alive
+                continue
+            layout = rec.layout
+            used = layout.members + list(layout.standby)
+            assert set(used) <= set(alive) and len(used) == len(set(used)) <= 8
+            assert all(p.num_stages == 4 for p in layout.pipelines)
+            assert sorted(j for shards in layout.shards for j in shards) == [0, 1]
+            whole = [plan_recovery(p, alive).kind == "failover" for p in two.pipelines]
+            assert (rec.kind == "fallback") == (not any(whole))
+            if rec.kind == "fallback":
+                assert set(used) == set(alive)

@@ -1,0 +1,88 @@
+"""D = 2 data-parallel pipelines of P = 4 stages (8 real processes, CPU/gloo): gradients summed
+across pipelines, a kill in one pipeline handled by its shadow while the other waits at the
+all-reduce, and a pipeline that cannot fail over dropped under the reconfiguration policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from stalwart.pipeline.faults import Fault
+from stalwart.pipeline.job import PipelineJob
+from stalwart.pipeline.launch import launch
+from stalwart.pipeline.placement import ClusterPlan, plan_cluster
+
+STEPS = 5
+TWO = dict(num_stages=4, num_microbatches=4, num_pipelines=2, steps=STEPS, batch_size=32)
+
+
+def run(faults=(), **overrides):
+    job = PipelineJob(**{**TWO, "verify_replicas": True, **overrides})
+    return launch(job, faults=faults, timeout=90)
+
+
+@pytest.fixture(scope="module")
+def one_pipeline():
+    """The same global batch (32 samples, 8 micro-batches of 4) through one pipeline."""
+    return launch(PipelineJob(num_stages=4, num_microbatches=8, steps=STEPS, batch_size=32))
+
+
+def assert_trains_like_one_pipeline(result, one_pipeline):
+    assert len(result.losses) == STEPS
+    pairs = zip(result.losses, one_pipeline.losses, strict=True)
+    assert max(abs(a - b) for a, b in pairs) <= 1e-5
+
+
+def assert_copies_identical(result, from_step=0):
+    """Every copy of a stage — its owner in each pipeline, their replicas — is bit-identical."""
+    checked = 0
+    for (step, _), roles in result.digests.items():
+        if step >= from_step:
+            assert len(set(roles.values())) == 1, roles
+            checked += len(roles) > 1
+    assert checked
+
+
+@pytest.mark.timeout(120)
+def test_two_pipelines_sum_gradients_and_train_like_one(one_pipeline):
+    result = run()
+    assert not result.events
+    assert_trains_like_one_pipeline(result, one_pipeline)
+    assert_copies_identical(result)
+    assert {len(roles) for roles in result.digests.values()} == {4}  # 2 owners + 2 replicas
+
+
+@pytest.mark.timeout(120)
+def test_kill_in_one_pipeline_the_other_waits_at_the_all_reduce(one_pipeline):
+    # Rank 6 runs stage 2 of pipeline 1; killed mid-backward of step 2.
+    result = run([Fault(rank=6, step=2, phase="backward", microbatch=5)])
+    assert result.exit_codes[6] == -9
+    (event,) = result.events
+    assert event["kind"] == "failover" and event["lost"] == [6] and event["resume"] == 2
+    assert event["pipelines"] == 2
+    # Pipeline 0 did not redo its step: it waited at the all-reduce with its gradients and
+    # reduced in the next generation. Pipeline 1's survivors re-ran step 2 once.
+    assert [result.programs_run[r] for r in range(4)] == [STEPS] * 4
+    assert [result.programs_run[r] for r in (4, 5, 7)] == [STEPS + 1] * 3
+    assert_trains_like_one_pipeline(result, one_pipeline)
+    assert_copies_identical(result)
+
+
+@pytest.mark.timeout(120)
+def test_consecutive_kills_drop_a_pipeline_to_standby_without_a_checkpoint(one_pipeline):
+    # Stages 1 and 2 of pipeline 1 lost together: no replica left for stage 1 there.
+    faults = [Fault(rank=5, step=2, phase="forward"), Fault(rank=6, step=2, phase="forward")]
+    result = run(faults)
+    (event,) = result.events
+    # The policy (thesis §3.7): symmetric pipelines, spare nodes on standby, never more than
+    # P x D nodes — for 6 live nodes: one pipeline of 4, 2 on standby.
+    assert plan_cluster(4, 2, 6) == ClusterPlan(pipelines=1, active=4, standby=2, suspend=False)
+    assert event["kind"] == "reconfigure" and sorted(event["lost"]) == [5, 6]
+    assert event["pipelines"] == 1 and event["standby"] == [4, 7]
+    assert event["members"] == [0, 1, 2, 3]
+    assert event["resume"] == event["step"] == 2  # no checkpoint loaded, no step lost
+    assert result.exit_codes[4] == result.exit_codes[7] == 0  # standby until the run ended
+    # Pipeline 0 kept shard 0 of step 2 and trained pipeline 1's shard as well: the global
+    # batch and learning rate are unchanged, so are the losses.
+    assert [result.programs_run[r] for r in range(4)] == [STEPS + 1] * 4
+    assert_trains_like_one_pipeline(result, one_pipeline)
+    assert_copies_identical(result, from_step=2)
