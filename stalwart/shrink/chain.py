@@ -83,6 +83,12 @@ class ChainWriter:
     ) -> ShrinkReport:
         """Write ``weights`` (quantized; a delta when the chain allows) and ``extra``."""
         request = request or ShrinkRequest()
+        if request.search is not None and self.chain is not None and self.chain.config is not None:
+            # The file this chain continues from is the truth about the last choice. A trainer's
+            # saved search state is one checkpoint behind (Lightning and Composer collect callback
+            # state before the IO runs this checkpoint's search), so a resumed run would otherwise
+            # search from the choice before, which may be more aggressive than the file's.
+            request.search.previous = self.chain.config
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         previous = self.chain
