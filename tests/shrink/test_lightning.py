@@ -173,4 +173,5 @@ def test_a_resumed_search_is_never_more_aggressive_than_the_checkpoint_it_resume
     assert None not in (first, second) and second != first
     assert second.at_most_as_aggressive_as(first)  # the strict save backed off
     (resumed,) = fit(3, tmp_path / "epoch=1.ckpt")
-    assert resumed is not None and resumed.at_most_as_aggressive_as(second), (first, second, resumed)
+    assert resumed is not None, (first, second)
+    assert resumed.at_most_as_aggressive_as(second), (first, second, resumed)
