@@ -22,7 +22,7 @@ from stalwart.shrink.codec import (
     unpack_object,
 )
 from stalwart.shrink.container import FORMAT_VERSION, SectionWriter
-from stalwart.shrink.entropy import check_coder
+from stalwart.shrink.entropy import DEFAULT_CODER, check_coder
 from stalwart.shrink.partition import QuantConfig, guess_layer_type
 from stalwart.shrink.quantize import QuantizedTensor, TensorAnalysis
 from stalwart.shrink.search import ConfigSearch
@@ -115,7 +115,7 @@ def save(
     layer_types: Mapping[str, str] | None = None,
     extra: Any = None,
     lossy_extra: bool = False,
-    coder: str = "zstd",
+    coder: str = DEFAULT_CODER,
     min_numel: int = MIN_QUANTIZED_NUMEL,
 ) -> ShrinkReport:
     """Write ``state_dict`` shrunken to ``path``: quantized, delta-coded against ``previous``.
@@ -134,8 +134,9 @@ def save(
         layer_types: name -> layer type (see :mod:`stalwart.shrink.partition`); guessed if None.
         extra: any other object to store losslessly (e.g. the rest of a Lightning checkpoint).
         lossy_extra: quantize floating tensors in ``extra`` too (no delta).
-        coder: entropy coder of the index streams, ``"zstd"`` (default, measured faster at equal
-            size) or ``"huffman"`` (the paper's).
+        coder: entropy coder of the index streams: ``"ans"`` (default: rANS at the streams'
+            entropy, measured smallest), ``"zstd"`` (run lengths + zstd), ``"huffman"`` (the
+            paper's) or ``"auto"`` (the smallest per stream).
         min_numel: tensors with fewer elements (biases, norms) are stored losslessly.
 
     Example::
@@ -171,6 +172,8 @@ def save(
     if chain is not None:
         for name, analysis in analyses.items():
             analysis.previous_levels = chain.levels.get(name)
+            previous = chain.indices.get(name)
+            analysis.previous_indices = None if previous is None else previous[0]
     degradation = None
     search_seconds = 0.0
     evaluations = 0

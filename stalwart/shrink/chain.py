@@ -18,6 +18,7 @@ from stalwart.hindsight.checkpoint_file import temp_path_for
 from stalwart.shrink.api import ShrinkReport, load_with_extra, save
 from stalwart.shrink.codec import ChainState
 from stalwart.shrink.container import read_header
+from stalwart.shrink.entropy import DEFAULT_CODER
 from stalwart.shrink.partition import QuantConfig
 from stalwart.shrink.search import ConfigSearch
 
@@ -43,7 +44,8 @@ class ChainWriter:
         config: fixed :class:`~stalwart.shrink.QuantConfig` for saves without a search.
         keyframe_every: a full (non-delta) checkpoint every this many saves.
         compress_optimizer: ``"lossless"`` (default) or ``"lossy"`` for ``extra``'s tensors.
-        coder: ``"zstd"`` or ``"huffman"``.
+        coder: entropy coder of the index streams, ``"ans"`` (default), ``"zstd"``, ``"huffman"``
+            or ``"auto"`` (the smallest per stream).
 
     Example::
 
@@ -58,7 +60,7 @@ class ChainWriter:
         config: QuantConfig | None = None,
         keyframe_every: int = 10,
         compress_optimizer: str = "lossless",
-        coder: str = "zstd",
+        coder: str = DEFAULT_CODER,
     ) -> None:
         if keyframe_every < 1:
             raise ConfigurationError(f"keyframe_every must be >= 1, got {keyframe_every}")

@@ -26,7 +26,13 @@ from stalwart.shrink.delta import (
     run_length_encode,
     undelta_indices,
 )
-from stalwart.shrink.entropy import decode_stream, encode_stream, zstd_compress, zstd_decompress
+from stalwart.shrink.entropy import (
+    DEFAULT_CODER,
+    decode_stream,
+    encode_stream,
+    zstd_compress,
+    zstd_decompress,
+)
 from stalwart.shrink.partition import QuantConfig
 from stalwart.shrink.quantize import FIRST_LEVEL, PROTECTED, QuantizedTensor, TensorAnalysis
 
@@ -79,16 +85,18 @@ def quantized_entry(
     deltas = delta_indices(quantized.indices, None if previous is None else previous[0], alphabet)
     # A delta stream is mostly long zero runs: run lengths + zstd. A keyframe's indices have few
     # runs and a skewed histogram, where coding them directly (Huffman under "auto") is smaller.
-    options = [(coder if coder != "auto" else "zstd", True)]
+    # rANS codes the deltas themselves at their entropy, below one bit per element: run lengths
+    # would only hide the zeros' frequency from its model.
+    options = [] if coder == "ans" else [(coder if coder != "auto" else "zstd", True)]
     if previous is None and np.count_nonzero(deltas[1:] != deltas[:-1]) > deltas.size // 4:
         options = []  # many short runs: run-length coding cannot win, skip the attempt
-    if previous is None:
-        if coder != "auto":
-            options.append((coder, False))
-        else:
-            options.append(("zstd", False))
-            if deltas.size >= HUFFMAN_MIN_SYMBOLS:  # below, its block table and loop dominate
-                options.append(("huffman", False))
+    if coder == "auto":
+        options.append(("zstd", False))
+        options.append(("ans", False))
+        if deltas.size >= HUFFMAN_MIN_SYMBOLS:  # below, its block table and loop dominate
+            options.append(("huffman", False))
+    elif previous is None or coder == "ans":
+        options.append((coder, False))
     encoded = []
     for option_coder, run_length in options:
         symbols = run_length_encode(deltas) if run_length else deltas.view(np.int8)
@@ -148,7 +156,7 @@ def pack_object(
     *,
     lossy: QuantConfig | None = None,
     min_numel: int = 1024,
-    coder: str = "zstd",
+    coder: str = DEFAULT_CODER,
 ) -> dict:
     """Pack any checkpoint object: tensors byte-shuffled (or, with ``lossy``, quantized
     without delta when floating and at least ``min_numel`` elements), the rest pickled."""
