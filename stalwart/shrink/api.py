@@ -172,8 +172,6 @@ def save(
     if chain is not None:
         for name, analysis in analyses.items():
             analysis.previous_levels = chain.levels.get(name)
-            previous = chain.indices.get(name)
-            analysis.previous_indices = None if previous is None else previous[0]
     degradation = None
     search_seconds = 0.0
     evaluations = 0

@@ -21,13 +21,6 @@ from stalwart.shrink.sketch import DEFAULT_ALPHA, LogSketch, bucket_index, repre
 PRUNED = 0
 PROTECTED = 1
 FIRST_LEVEL = 2
-# An element keeps its previous checkpoint's level when that level is adjacent to the nearest one
-# and its error exceeds the nearest's by at most this fraction of half the gap between the two
-# (i.e. the element crossed the cell boundary by at most a quarter of the gap). Elements jittering
-# around a boundary then stay put: ~half the changed indices of a delta disappear (measured on the
-# char transformer: 8 levels, 20x -> 35x per delta), the error stays bounded by 3/4 of a gap, and
-# the held-out loss does not suffer - keeping the older level averages out step-to-step noise.
-STICKY_MARGIN = 1.0
 
 
 @dataclass
@@ -80,7 +73,6 @@ class TensorAnalysis:
         self.buckets = bucket_index(self.magnitude, alpha)
         self.nonzero = self.magnitude > 0
         self.previous_levels: torch.Tensor | None = None
-        self.previous_indices: torch.Tensor | None = None
 
     @cached_property
     def magnitude_sketch(self) -> LogSketch:
@@ -130,33 +122,12 @@ class TensorAnalysis:
             # Elements of one histogram bucket share a level: assignment is a table lookup.
             table = assign_sorted(self._id_values, levels.double()) + FIRST_LEVEL
             indices = table.to(torch.uint8)[self._ids]
-            if self.previous_indices is not None:
-                indices = self._keep_previous(indices, levels.float())
         else:
             indices = torch.full_like(self._ids, PRUNED, dtype=torch.uint8)
         indices.masked_fill_(prune, PRUNED)
         indices.masked_fill_(protect, PROTECTED)
         protected = self.values[protect].to(torch.bfloat16)
         return QuantizedTensor(indices, levels.float(), protected, self.shape, self.dtype)
-
-    def _keep_previous(self, nearest: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-        """Hysteresis against the previous checkpoint (see ``STICKY_MARGIN``)."""
-        previous = self.previous_indices.to(torch.int16)
-        current = nearest.to(torch.int16)
-        table = torch.cat([torch.zeros(FIRST_LEVEL), levels])
-        adjacent = (
-            (previous >= FIRST_LEVEL)
-            & (previous < table.numel())
-            & (current >= FIRST_LEVEL)
-            & ((previous - current).abs() == 1)
-        )
-        candidates = torch.where(adjacent, previous, current).long()
-        near_level, previous_level = table[current.long()], table[candidates]
-        slack = STICKY_MARGIN * (previous_level - near_level).abs() / 2
-        keep = adjacent & (
-            (self.values - previous_level).abs() <= (self.values - near_level).abs() + slack
-        )
-        return torch.where(keep, previous, current).to(torch.uint8)
 
     @cached_property
     def _span(self) -> tuple[int, int]:

@@ -1,9 +1,10 @@
 """Choosing a checkpoint's quantization under a quality bound (Inshrinkerator section 4.3).
 
 Quality falls monotonically along each axis of the "configuration cube" (fewer bins, more
-pruning, less protection), so the first checkpoint walks the feasibility staircase of the
-(bins, prune) plane for each prune metric — O(bins + prune levels) evaluations instead of all of
-them — and then tries less protection at the best point found. Later checkpoints look only at the
+pruning, less protection), so the first checkpoint bisects the fewest feasible bins at the lightest
+pruning and walks the feasibility staircase of the (bins, prune) plane up from there for each prune
+metric — O(log bins + prune levels) evaluations instead of all of them — and then tries less
+protection at the best point found. Later checkpoints look only at the
 radius-1 neighbourhood of the previous choice, never more aggressive than it (models grow more
 sensitive as they train), and fall back to the full search when nothing there qualifies.
 """
@@ -193,8 +194,15 @@ class ConfigSearch:
             b = len(BIN_CHOICES) - 1
             if not feasible(b, prunes[0], metric):
                 continue
-            while b > 0 and feasible(b - 1, prunes[0], metric):
-                b -= 1
+            # Fewest feasible bins at the lightest pruning by bisection: feasibility is monotone
+            # in bins, so ~log2(len(BIN_CHOICES)) evaluations instead of a walk down.
+            low = 0
+            while low < b:
+                middle = (low + b) // 2
+                if feasible(middle, prunes[0], metric):
+                    b = middle
+                else:
+                    low = middle + 1
             frontier.append(trial(QuantConfig(BIN_CHOICES[b], prunes[0], metric, protect)))
             for prune in prunes[1:]:
                 while b < len(BIN_CHOICES) and not feasible(b, prune, metric):

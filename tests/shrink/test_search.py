@@ -5,7 +5,6 @@ from torch import nn
 
 import stalwart.shrink as shrink
 from stalwart.shrink.partition import QuantConfig
-from stalwart.shrink.quantize import TensorAnalysis
 
 
 def _model_and_data(seed=0):
@@ -71,27 +70,3 @@ def test_fixed_config_skips_search(tmp_path):
     config = QuantConfig(bins=6, prune=0.3, protect=0.0005)
     report = shrink.save(model.state_dict(), tmp_path / "x.shrunk", config=config)
     assert report.config == config and report.evaluations == 0 and report.ratio > 6
-
-
-def test_a_delta_keeps_the_previous_level_only_just_past_the_boundary():
-    # Hysteresis: an element whose nearest level moved by one keeps its previous level while it
-    # is within a quarter gap past the boundary, so jitter does not cost a changed index.
-    torch.manual_seed(0)
-    weights = torch.randn(20_000) * 0.05
-    config = QuantConfig(bins=8, prune=0.0, protect=0.0)
-    first = TensorAnalysis(weights).quantize(config)
-    moved = weights + 0.01 * torch.randn(20_000)  # a fifth of the ~0.05 gap between levels
-    plain, sticky = TensorAnalysis(moved), TensorAnalysis(moved)
-    plain.previous_levels = sticky.previous_levels = first.levels
-    sticky.previous_indices = first.indices
-    nearest, kept = plain.quantize(config), sticky.quantize(config)
-    assert torch.equal(nearest.levels, kept.levels)
-    changed_nearest = int((nearest.indices != first.indices).sum())
-    changed_kept = int((kept.indices != first.indices).sum())
-    assert 0 < changed_kept < 0.7 * changed_nearest
-    differs = kept.indices != nearest.indices
-    assert torch.equal(kept.indices[differs], first.indices[differs])
-    assert int((kept.indices.int() - nearest.indices.int()).abs().max()) <= 1
-    near_value, kept_value = nearest.dequantize(), kept.dequantize()
-    slack = (kept_value - near_value).abs() / 2
-    assert bool(((moved - kept_value).abs() <= (moved - near_value).abs() + slack + 1e-7).all())
