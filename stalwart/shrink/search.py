@@ -1,10 +1,9 @@
 """Choosing a checkpoint's quantization under a quality bound (Inshrinkerator section 4.3).
 
 Quality falls monotonically along each axis of the "configuration cube" (fewer bins, more
-pruning, less protection), so the first checkpoint bisects the fewest feasible bins at the lightest
-pruning and walks the feasibility staircase of the (bins, prune) plane up from there for each prune
-metric — O(log bins + prune levels) evaluations instead of all of them — and then tries less
-protection at the best point found. Later checkpoints look only at the
+pruning, less protection), so the first checkpoint walks the feasibility staircase of the
+(bins, prune) plane for each prune metric — O(bins + prune levels) evaluations instead of all of
+them — and then tries less protection at the best point found. Later checkpoints look only at the
 radius-1 neighbourhood of the previous choice, never more aggressive than it (models grow more
 sensitive as they train), and fall back to the full search when nothing there qualifies.
 """
@@ -137,29 +136,26 @@ class ConfigSearch:
         metrics: tuple[str, ...],
         trial: Callable[[QuantConfig], Trial],
     ) -> Trial | None:
-        # Candidates in decreasing expected ratio, stopping at the first that qualifies: in steady
-        # state the previous choice still does, and the search costs one evaluation. Ties keep
-        # the previous choice first: switching the prune metric at the same point re-prunes
-        # different elements, a poorly compressible delta, so it is tried only when the previous
-        # choice no longer qualifies.
-        if previous.prune == 0 or previous.prune_metric not in metrics:
-            previous = replace(previous, prune_metric="magnitude")
-        candidates = [previous]
-        if previous.prune > 0:
-            candidates += [
-                replace(previous, prune_metric=m) for m in metrics if m != previous.prune_metric
-            ]
-        if previous.bins in BIN_CHOICES and previous.bins != BIN_CHOICES[-1]:
-            candidates.append(
-                replace(previous, bins=BIN_CHOICES[BIN_CHOICES.index(previous.bins) + 1])
+        metric = previous.prune_metric
+        if previous.prune > 0 and len(metrics) > 1:
+            # The paper first tries the other prune metric at the same point and switches when it
+            # is clearly better. "Clearly": by a quarter of the bound, because a switch re-prunes
+            # different elements and so costs a poorly compressible delta.
+            other = replace(previous, prune_metric=next(m for m in metrics if m != metric))
+            if trial(other).degradation < trial(previous).degradation - 0.25 * self.tau:
+                metric = other.prune_metric
+        base = replace(previous, prune_metric=metric if previous.prune > 0 else "magnitude")
+        candidates = {base}
+        bins_at = BIN_CHOICES.index(base.bins) if base.bins in BIN_CHOICES else None
+        if bins_at is not None and bins_at + 1 < len(BIN_CHOICES):
+            candidates.add(replace(base, bins=BIN_CHOICES[bins_at + 1]))
+        if base.prune in PRUNE_CHOICES and base.prune > 0:
+            lower = PRUNE_CHOICES[PRUNE_CHOICES.index(base.prune) - 1]
+            candidates.add(replace(base, prune=lower, prune_metric=base.prune_metric))
+        if base.protect in PROTECT_CHOICES and base.protect < PROTECT_CHOICES[-1]:
+            candidates.add(
+                replace(base, protect=PROTECT_CHOICES[PROTECT_CHOICES.index(base.protect) + 1])
             )
-        if previous.prune in PRUNE_CHOICES and previous.prune > 0:
-            lower = PRUNE_CHOICES[PRUNE_CHOICES.index(previous.prune) - 1]
-            metric = previous.prune_metric if lower > 0 else "magnitude"
-            candidates.append(replace(previous, prune=lower, prune_metric=metric))
-        if previous.protect in PROTECT_CHOICES and previous.protect < PROTECT_CHOICES[-1]:
-            more = PROTECT_CHOICES[PROTECT_CHOICES.index(previous.protect) + 1]
-            candidates.append(replace(previous, protect=more))
         for config in sorted(candidates, key=QuantConfig.estimated_bits):
             if trial(config).feasible:
                 return trial(config)
@@ -194,15 +190,8 @@ class ConfigSearch:
             b = len(BIN_CHOICES) - 1
             if not feasible(b, prunes[0], metric):
                 continue
-            # Fewest feasible bins at the lightest pruning by bisection: feasibility is monotone
-            # in bins, so ~log2(len(BIN_CHOICES)) evaluations instead of a walk down.
-            low = 0
-            while low < b:
-                middle = (low + b) // 2
-                if feasible(middle, prunes[0], metric):
-                    b = middle
-                else:
-                    low = middle + 1
+            while b > 0 and feasible(b - 1, prunes[0], metric):
+                b -= 1
             frontier.append(trial(QuantConfig(BIN_CHOICES[b], prunes[0], metric, protect)))
             for prune in prunes[1:]:
                 while b < len(BIN_CHOICES) and not feasible(b, prune, metric):
