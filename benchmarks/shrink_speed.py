@@ -158,7 +158,7 @@ def overhead(seconds_per_checkpoint: float, checkpoints: int, calibration_steps:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=100_000_000)
-    parser.add_argument("--coders", default="ans,zstd,huffman")
+    parser.add_argument("--coders", default="auto,ans,zstd,huffman")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--checkpoints", type=int, default=4)
     parser.add_argument("--seconds-per-checkpoint", type=float, default=60.0)

@@ -91,8 +91,8 @@ class Shrink(Algorithm):
         grad_window: batches at the end of each epoch whose gradients feed the EMA
             (0 = magnitude only).
         grad_beta: weight of the newest gradient in the EMA.
-        coder: entropy coder of the index streams, ``"ans"`` (default), ``"zstd"``, ``"huffman"``
-            or ``"auto"`` (the smallest per stream).
+        coder: entropy coder of the index streams: ``"auto"`` (default: the smaller of rANS
+            and run lengths + zstd per stream), ``"ans"``, ``"zstd"`` or ``"huffman"``.
 
     Example::
 

@@ -36,8 +36,8 @@ class ShrinkCheckpointIO(CheckpointIO):
         keyframe_every: a full (non-delta) checkpoint every this many saves; bounds restore time
             and how much one lost file costs.
         compress_optimizer: ``"lossless"`` (default) or ``"lossy"`` (quantized, no delta).
-        coder: entropy coder of the index streams, ``"ans"`` (default), ``"zstd"``, ``"huffman"``
-            or ``"auto"`` (the smallest per stream).
+        coder: entropy coder of the index streams: ``"auto"`` (default: the smaller of rANS
+            and run lengths + zstd per stream), ``"ans"``, ``"zstd"`` or ``"huffman"``.
         delegate: the IO that plain (non-shrunken) checkpoints are read with and, when set, the
             one that saves without a :class:`ShrinkRequest` go to.
 

@@ -134,9 +134,9 @@ def save(
         layer_types: name -> layer type (see :mod:`stalwart.shrink.partition`); guessed if None.
         extra: any other object to store losslessly (e.g. the rest of a Lightning checkpoint).
         lossy_extra: quantize floating tensors in ``extra`` too (no delta).
-        coder: entropy coder of the index streams: ``"ans"`` (default: rANS at the streams'
-            entropy, measured smallest), ``"zstd"`` (run lengths + zstd), ``"huffman"`` (the
-            paper's) or ``"auto"`` (the smallest per stream).
+        coder: entropy coder of the index streams: ``"auto"`` (default: per stream the smaller
+            of rANS and run lengths + zstd, measured: neither wins everywhere), ``"ans"``,
+            ``"zstd"`` or ``"huffman"`` (the paper's).
         min_numel: tensors with fewer elements (biases, norms) are stored losslessly.
 
     Example::

@@ -44,8 +44,8 @@ class ChainWriter:
         config: fixed :class:`~stalwart.shrink.QuantConfig` for saves without a search.
         keyframe_every: a full (non-delta) checkpoint every this many saves.
         compress_optimizer: ``"lossless"`` (default) or ``"lossy"`` for ``extra``'s tensors.
-        coder: entropy coder of the index streams, ``"ans"`` (default), ``"zstd"``, ``"huffman"``
-            or ``"auto"`` (the smallest per stream).
+        coder: entropy coder of the index streams: ``"auto"`` (default: the smaller of rANS
+            and run lengths + zstd per stream), ``"ans"``, ``"zstd"`` or ``"huffman"``.
 
     Example::
 
