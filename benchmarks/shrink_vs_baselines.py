@@ -187,6 +187,7 @@ class Saved:
     seconds: float
     search_seconds: float = 0.0
     detail: str = ""
+    degradation: float | None = None
 
 
 @dataclass
@@ -202,6 +203,9 @@ class Run:
     final_metric: float = float("nan")
     checkpoint_metric: float = float("nan")
     extra_metric: float = float("nan")
+    # Per segment: the metric of the weights a restore starts from, and at the segment's end.
+    restored_metrics: list[float] = field(default_factory=list)
+    segment_metrics: list[float] = field(default_factory=list)
 
     def make_io(self, cnr_threshold: float) -> MeasuredCheckpointIO | None:
         return {
@@ -239,7 +243,13 @@ def quiet_trainer(max_epochs: int, callbacks: list, plugins: list) -> L.Trainer:
 
 
 def fit_segment(
-    run: Run, workload: Workload, end: int, segment: int, seed: int, cnr_threshold: float
+    run: Run,
+    workload: Workload,
+    end: int,
+    segment: int,
+    seed: int,
+    cnr_threshold: float,
+    tau: float,
 ) -> L.LightningModule:
     """Train ``run`` to ``end`` epochs, resuming (new Trainer, new model) from its latest file."""
     L.seed_everything(seed, verbose=False)
@@ -247,7 +257,7 @@ def fit_segment(
     io = run.make_io(cnr_threshold)
     if io is None:
         checkpoint = ShrinkCheckpoint(
-            dirpath=str(run.directory), tau=0.05, keyframe_every=10, filename="{epoch:03d}"
+            dirpath=str(run.directory), tau=tau, keyframe_every=10, filename="{epoch:03d}"
         )
         checkpoint.io.load_checkpoint = _timed(checkpoint.io.load_checkpoint, run.restore_seconds)
         plugins: list = []
@@ -274,6 +284,7 @@ def fit_segment(
                     total_stored=report.total_stored,
                     seconds=report.seconds,
                     search_seconds=report.search_seconds,
+                    degradation=report.degradation,
                     detail="lossless" if config is None else
                     f"{config.bins}b/p{config.prune:g}{config.prune_metric[0]}/"
                     f"k{config.protect:g}",
@@ -296,6 +307,8 @@ def fit_segment(
     run.latest = run.directory / f"epoch={end - 1:03d}.ckpt"
     if not run.latest.exists():
         raise RuntimeError(f"{run.method}: expected checkpoint {run.latest} was not written")
+    run.segment_metrics.append(workload.metric(model))
+    run.restored_metrics.append(metric_from_checkpoint(run, workload, cnr_threshold))
     return model
 
 
@@ -356,7 +369,7 @@ def summarise(run: Run, workload: Workload, reference: float) -> Row:
     )
 
 
-def print_table(workload: Workload, rows: list[Row]) -> None:
+def print_table(workload: Workload, rows: list[Row], tau: float) -> None:
     metric = workload.metric_name
     header = (
         f"| method | weight ratio (cumulative) | whole-ckpt ratio | snapshot weight ratio (min) "
@@ -364,7 +377,7 @@ def print_table(workload: Workload, rows: list[Row]) -> None:
         f"| compression s (total) | restore s (mean) |"
     )
     print(f"\n### {workload.name}: {rows[0].checkpoints} checkpoints, {rows[0].restores} restores "
-          f"per method, {workload.epochs} epochs\n")  # fmt: skip
+          f"per method, {workload.epochs} epochs; stalwart tau={tau:g}\n")  # fmt: skip
     print(header)
     print("|" + "---|" * header.count(" | ") + "---|")
     for row in rows:
@@ -375,7 +388,7 @@ def print_table(workload: Workload, rows: list[Row]) -> None:
         )
 
 
-def verdict(workload: Workload, rows: list[Row], runs: dict[str, Run]) -> bool:
+def verdict(workload: Workload, rows: list[Row], runs: dict[str, Run], tau: float) -> bool:
     """Print the claim as computed PASS/FAIL lines; True when it holds."""
     ours = next(row for row in rows if row.method == "stalwart")
     passed = True
@@ -392,10 +405,11 @@ def verdict(workload: Workload, rows: list[Row], runs: dict[str, Run]) -> bool:
             f"{ours.degradation:+.2%} vs {row.degradation:+.2%} -> "
             f"{'ok' if beats_ratio and metric_ok else 'NOT MET'}"
         )
+    baselines = [row.method for row in rows if row.method != "stalwart"]
     print(
         f"{'PASS' if passed else 'FAIL'} [{workload.name}]: stalwart beats every baseline's ratio "
         f"(weights and whole checkpoint) at equal or better final {workload.metric_name} "
-        f"(equal = within {TOLERANCE:.0%} relative)"
+        f"(equal = within {TOLERANCE:.0%} relative); baselines run: {', '.join(baselines)}"
     )
     issue = (
         ours.weight_ratio >= 20
@@ -412,12 +426,23 @@ def verdict(workload: Workload, rows: list[Row], runs: dict[str, Run]) -> bool:
         f"{ours.restores} restores (>= 5)"
     )
     configs = [s.detail for s in runs["stalwart"].saves]
-    cnr_bits = [s.detail for s in runs["CNR-style"].saves]
     print(f"  stalwart configs per checkpoint (bins/prune+metric/protect): {' '.join(configs)}")
+    measured = " ".join(
+        "-" if s.degradation is None else f"{s.degradation:+.3f}" for s in runs["stalwart"].saves
+    )
+    print(f"  stalwart measured degradation per checkpoint (tau {tau:g}): {measured}")
     ratios = " ".join(f"{s.weight_bytes / s.weight_stored:.1f}" for s in runs["stalwart"].saves)
     print(f"  stalwart weight ratio per checkpoint: {ratios}")
     print(f"  stalwart search seconds (inside compression s): {ours.search_seconds:.2f}")
-    print(f"  CNR-style bit widths (bits: tensors) first/last: {cnr_bits[0]} / {cnr_bits[-1]}")
+    for name, run in runs.items():
+        trajectory = " ".join(
+            f"{end:.4f}/{restored:.4f}"
+            for end, restored in zip(run.segment_metrics, run.restored_metrics, strict=True)
+        )
+        print(f"  {name} {workload.metric_name} per segment (trained/restored): {trajectory}")
+    if "CNR-style" in runs:
+        cnr_bits = [s.detail for s in runs["CNR-style"].saves]
+        print(f"  CNR-style bit widths (bits: tensors) first/last: {cnr_bits[0]} / {cnr_bits[-1]}")
     if workload.extra_metric is not None:
         extras = ", ".join(f"{name} {run.extra_metric:.4f}" for name, run in runs.items())
         print(f"  final {workload.extra_name}: {extras}")
@@ -426,15 +451,24 @@ def verdict(workload: Workload, rows: list[Row], runs: dict[str, Run]) -> bool:
     return passed
 
 
-def run_workload(workload: Workload, root: Path, seed: int, cnr_threshold: float) -> bool:
-    runs = {method: Run(method, root / method.replace("+", "_")) for method in METHODS}
+def run_workload(
+    workload: Workload,
+    root: Path,
+    seed: int,
+    cnr_threshold: float,
+    methods: tuple[str, ...],
+    tau: float,
+) -> bool:
+    runs = {method: Run(method, root / method.replace("+", "_")) for method in methods}
     ends = workload.boundaries()
     models: dict[str, L.LightningModule] = {}
     for index, end in enumerate(ends):
-        order = METHODS[index % len(METHODS) :] + METHODS[: index % len(METHODS)]
+        order = methods[index % len(methods) :] + methods[: index % len(methods)]
         for method in order:
             start = time.perf_counter()
-            models[method] = fit_segment(runs[method], workload, end, index, seed, cnr_threshold)
+            models[method] = fit_segment(
+                runs[method], workload, end, index, seed, cnr_threshold, tau
+            )
             progress(
                 f"[{workload.name}] segment {index + 1}/{len(ends)} (to epoch {end}) {method}: "
                 f"{time.perf_counter() - start:.1f}s, {len(runs[method].saves)} checkpoints"
@@ -445,9 +479,9 @@ def run_workload(workload: Workload, root: Path, seed: int, cnr_threshold: float
         if workload.extra_metric is not None:
             run.extra_metric = workload.extra_metric(models[method])
     reference = runs[REFERENCE].final_metric
-    rows = [summarise(runs[method], workload, reference) for method in METHODS]
-    print_table(workload, rows)
-    return verdict(workload, rows, runs)
+    rows = [summarise(runs[method], workload, reference) for method in methods]
+    print_table(workload, rows, tau)
+    return verdict(workload, rows, runs, tau)
 
 
 def main() -> None:
@@ -461,8 +495,22 @@ def main() -> None:
         default=0.1,
         help="CNR-style: largest relative L2 error per tensor (picks the fewest bits within it)",
     )
+    parser.add_argument(
+        "--tau", type=float, default=0.05, help="stalwart's per-checkpoint quality bound"
+    )
     parser.add_argument("--keep", type=Path, default=None, help="write checkpoints here and keep")
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated subset (torch.save and stalwart always run); the verdict compares "
+        "against the baselines that ran",
+    )
     args = parser.parse_args()
+    chosen = set(args.methods.split(",")) | {REFERENCE, "stalwart"}
+    unknown = chosen - set(METHODS)
+    if unknown:
+        parser.error(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+    methods = tuple(method for method in METHODS if method in chosen)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
@@ -481,7 +529,9 @@ def main() -> None:
             directory = root / workload.name.replace(" ", "_")
             if directory.exists():
                 shutil.rmtree(directory)
-            results.append(run_workload(workload, directory, args.seed, args.cnr_threshold))
+            results.append(
+                run_workload(workload, directory, args.seed, args.cnr_threshold, methods, args.tau)
+            )
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)

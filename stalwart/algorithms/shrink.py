@@ -27,6 +27,7 @@ from stalwart.errors import ConfigurationError
 from stalwart.shrink.api import ShrinkReport, load_with_extra
 from stalwart.shrink.chain import ChainWriter, ShrinkRequest
 from stalwart.shrink.container import is_shrunk_file
+from stalwart.shrink.entropy import DEFAULT_CODER
 from stalwart.shrink.gradients import GradientEMA
 from stalwart.shrink.partition import layer_types_of
 from stalwart.shrink.scoring import first_batches, live_evaluator
@@ -90,7 +91,8 @@ class Shrink(Algorithm):
         grad_window: batches at the end of each epoch whose gradients feed the EMA
             (0 = magnitude only).
         grad_beta: weight of the newest gradient in the EMA.
-        coder: entropy coder, ``"zstd"`` or ``"huffman"``.
+        coder: entropy coder of the index streams: ``"auto"`` (default: the smaller of rANS
+            and run lengths + zstd per stream), ``"ans"``, ``"zstd"`` or ``"huffman"``.
 
     Example::
 
@@ -110,11 +112,11 @@ class Shrink(Algorithm):
         tau: float = 0.05,
         keyframe_every: int = 10,
         compress_optimizer: str = "lossless",
-        eval_batches: int = 4,
+        eval_batches: int = 2,
         evaluate: Callable[[torch.nn.Module], float] | None = None,
         grad_window: int = 50,
         grad_beta: float = 0.9,
-        coder: str = "zstd",
+        coder: str = DEFAULT_CODER,
     ) -> None:
         if not tau >= 0:
             raise ConfigurationError(f"tau is a relative degradation >= 0, got {tau}")

@@ -12,6 +12,7 @@ from stalwart.shrink.api import ShrinkReport
 from stalwart.shrink.chain import OPTIMIZER_MODES, RETIRED_FILE, ChainWriter, ShrinkRequest
 from stalwart.shrink.codec import ChainState
 from stalwart.shrink.container import is_shrunk_file
+from stalwart.shrink.entropy import DEFAULT_CODER
 from stalwart.shrink.partition import QuantConfig
 
 __all__ = ["OPTIMIZER_MODES", "RETIRED_FILE", "ShrinkCheckpointIO", "ShrinkRequest"]
@@ -35,7 +36,8 @@ class ShrinkCheckpointIO(CheckpointIO):
         keyframe_every: a full (non-delta) checkpoint every this many saves; bounds restore time
             and how much one lost file costs.
         compress_optimizer: ``"lossless"`` (default) or ``"lossy"`` (quantized, no delta).
-        coder: ``"zstd"`` or ``"huffman"``.
+        coder: entropy coder of the index streams: ``"auto"`` (default: the smaller of rANS
+            and run lengths + zstd per stream), ``"ans"``, ``"zstd"`` or ``"huffman"``.
         delegate: the IO that plain (non-shrunken) checkpoints are read with and, when set, the
             one that saves without a :class:`ShrinkRequest` go to.
 
@@ -51,7 +53,7 @@ class ShrinkCheckpointIO(CheckpointIO):
         config: QuantConfig | None = None,
         keyframe_every: int = 10,
         compress_optimizer: str = "lossless",
-        coder: str = "zstd",
+        coder: str = DEFAULT_CODER,
         delegate: CheckpointIO | None = None,
     ) -> None:
         self.writer = ChainWriter(tau, config, keyframe_every, compress_optimizer, coder)

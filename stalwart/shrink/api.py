@@ -22,7 +22,7 @@ from stalwart.shrink.codec import (
     unpack_object,
 )
 from stalwart.shrink.container import FORMAT_VERSION, SectionWriter
-from stalwart.shrink.entropy import check_coder
+from stalwart.shrink.entropy import DEFAULT_CODER, check_coder
 from stalwart.shrink.partition import QuantConfig, guess_layer_type
 from stalwart.shrink.quantize import QuantizedTensor, TensorAnalysis
 from stalwart.shrink.search import ConfigSearch
@@ -115,7 +115,7 @@ def save(
     layer_types: Mapping[str, str] | None = None,
     extra: Any = None,
     lossy_extra: bool = False,
-    coder: str = "zstd",
+    coder: str = DEFAULT_CODER,
     min_numel: int = MIN_QUANTIZED_NUMEL,
 ) -> ShrinkReport:
     """Write ``state_dict`` shrunken to ``path``: quantized, delta-coded against ``previous``.
@@ -134,8 +134,9 @@ def save(
         layer_types: name -> layer type (see :mod:`stalwart.shrink.partition`); guessed if None.
         extra: any other object to store losslessly (e.g. the rest of a Lightning checkpoint).
         lossy_extra: quantize floating tensors in ``extra`` too (no delta).
-        coder: entropy coder of the index streams, ``"zstd"`` (default, measured faster at equal
-            size) or ``"huffman"`` (the paper's).
+        coder: entropy coder of the index streams: ``"auto"`` (default: per stream the smaller
+            of rANS and run lengths + zstd, measured: neither wins everywhere), ``"ans"``,
+            ``"zstd"`` or ``"huffman"`` (the paper's).
         min_numel: tensors with fewer elements (biases, norms) are stored losslessly.
 
     Example::

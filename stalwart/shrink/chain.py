@@ -18,6 +18,7 @@ from stalwart.hindsight.checkpoint_file import temp_path_for
 from stalwart.shrink.api import ShrinkReport, load_with_extra, save
 from stalwart.shrink.codec import ChainState
 from stalwart.shrink.container import read_header
+from stalwart.shrink.entropy import DEFAULT_CODER
 from stalwart.shrink.partition import QuantConfig
 from stalwart.shrink.search import ConfigSearch
 
@@ -43,7 +44,8 @@ class ChainWriter:
         config: fixed :class:`~stalwart.shrink.QuantConfig` for saves without a search.
         keyframe_every: a full (non-delta) checkpoint every this many saves.
         compress_optimizer: ``"lossless"`` (default) or ``"lossy"`` for ``extra``'s tensors.
-        coder: ``"zstd"`` or ``"huffman"``.
+        coder: entropy coder of the index streams: ``"auto"`` (default: the smaller of rANS
+            and run lengths + zstd per stream), ``"ans"``, ``"zstd"`` or ``"huffman"``.
 
     Example::
 
@@ -58,7 +60,7 @@ class ChainWriter:
         config: QuantConfig | None = None,
         keyframe_every: int = 10,
         compress_optimizer: str = "lossless",
-        coder: str = "zstd",
+        coder: str = DEFAULT_CODER,
     ) -> None:
         if keyframe_every < 1:
             raise ConfigurationError(f"keyframe_every must be >= 1, got {keyframe_every}")
@@ -83,6 +85,12 @@ class ChainWriter:
     ) -> ShrinkReport:
         """Write ``weights`` (quantized; a delta when the chain allows) and ``extra``."""
         request = request or ShrinkRequest()
+        if request.search is not None and self.chain is not None and self.chain.config is not None:
+            # The file this chain continues from is the truth about the last choice. A trainer's
+            # saved search state is one checkpoint behind (Lightning and Composer collect callback
+            # state before the IO runs this checkpoint's search), so a resumed run would otherwise
+            # search from the choice before, which may be more aggressive than the file's.
+            request.search.previous = self.chain.config
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         previous = self.chain

@@ -26,12 +26,17 @@ from stalwart.shrink.delta import (
     run_length_encode,
     undelta_indices,
 )
-from stalwart.shrink.entropy import decode_stream, encode_stream, zstd_compress, zstd_decompress
+from stalwart.shrink.entropy import (
+    DEFAULT_CODER,
+    decode_stream,
+    encode_stream,
+    zstd_compress,
+    zstd_decompress,
+)
 from stalwart.shrink.partition import QuantConfig
 from stalwart.shrink.quantize import FIRST_LEVEL, PROTECTED, QuantizedTensor, TensorAnalysis
 
 TENSOR_MARKER = "__stalwart_tensor__"
-HUFFMAN_MIN_SYMBOLS = 65536
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -77,18 +82,22 @@ def quantized_entry(
 ) -> dict:
     alphabet = quantized.alphabet if previous is None else max(quantized.alphabet, previous[1])
     deltas = delta_indices(quantized.indices, None if previous is None else previous[0], alphabet)
-    # A delta stream is mostly long zero runs: run lengths + zstd. A keyframe's indices have few
-    # runs and a skewed histogram, where coding them directly (Huffman under "auto") is smaller.
-    options = [(coder if coder != "auto" else "zstd", True)]
-    if previous is None and np.count_nonzero(deltas[1:] != deltas[:-1]) > deltas.size // 4:
-        options = []  # many short runs: run-length coding cannot win, skip the attempt
-    if previous is None:
-        if coder != "auto":
-            options.append((coder, False))
-        else:
+    keyframe = previous is None
+    # Run-length coding pays off on long runs: deltas (mostly zero), not a keyframe's indices
+    # when they change value more often than every fourth element.
+    runs = not keyframe or np.count_nonzero(deltas[1:] != deltas[:-1]) <= deltas.size // 4
+    if coder == "auto":
+        # Measured, neither wins everywhere: rANS codes a delta at its zero-order entropy (char
+        # transformer: 0.89 bits/element vs 1.30 for run lengths + zstd), while run lengths + zstd
+        # also exploit runs of equal non-zero deltas, as when the bin count changes and a whole
+        # group of the previous level shifts alike (digits CNN: 28.0x cumulative vs 19.7x).
+        options = [("ans", False)] + ([("zstd", True)] if runs else [])
+        if keyframe:
             options.append(("zstd", False))
-            if deltas.size >= HUFFMAN_MIN_SYMBOLS:  # below, its block table and loop dominate
-                options.append(("huffman", False))
+    elif coder == "ans":
+        options = [("ans", False)]
+    else:
+        options = ([(coder, True)] if runs else []) + ([(coder, False)] if keyframe else [])
     encoded = []
     for option_coder, run_length in options:
         symbols = run_length_encode(deltas) if run_length else deltas.view(np.int8)
@@ -148,7 +157,7 @@ def pack_object(
     *,
     lossy: QuantConfig | None = None,
     min_numel: int = 1024,
-    coder: str = "zstd",
+    coder: str = DEFAULT_CODER,
 ) -> dict:
     """Pack any checkpoint object: tensors byte-shuffled (or, with ``lossy``, quantized
     without delta when floating and at least ``min_numel`` elements), the rest pickled."""

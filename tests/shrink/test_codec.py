@@ -38,7 +38,7 @@ def index_pairs(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(index_pairs(), st.sampled_from(["zstd", "huffman"]))
+@given(index_pairs(), st.sampled_from(["zstd", "huffman", "ans"]))
 def test_delta_and_coding_round_trip_exactly(pair, coder):
     prev, a_prev, cur, a_cur = pair
     alphabet = max(a_prev, a_cur)
@@ -48,6 +48,9 @@ def test_delta_and_coding_round_trip_exactly(pair, coder):
         assert stream.dtype == np.int8 and (stream[stream > 0] <= 127).all()
         decoded = run_length_decode(decode_stream(encode_stream(stream, coder), coder))
         assert torch.equal(undelta_indices(decoded, base, alphabet), cur)
+        # Without run lengths (how "ans" stores deltas).
+        direct = decode_stream(encode_stream(deltas.view(np.int8), coder), coder).view(np.uint8)
+        assert torch.equal(undelta_indices(direct, base, alphabet), cur)
 
 
 @settings(max_examples=100, deadline=None)

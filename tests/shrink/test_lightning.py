@@ -145,3 +145,33 @@ def test_bad_callback_arguments(tmp_path):
                    {"compress_optimizer": "fp8"}, {"grad_beta": 0}):  # fmt: skip
         with pytest.raises(ConfigurationError):
             ShrinkCheckpoint(dirpath=tmp_path, **kwargs)
+
+
+def test_a_resumed_search_is_never_more_aggressive_than_the_checkpoint_it_resumes(tmp_path):
+    # The held-out loss is amplified at the second save only (exp(s * loss): relative degradation
+    # ~ s * the loss difference), forcing a less aggressive configuration there. The lenient saves
+    # after it, in a fresh Trainer resumed from that second file, must not go back to the first,
+    # more aggressive choice: the neighbourhood search never increases aggressiveness.
+    strictness = {0: 1.0, 1: 40.0, 2: 1.0}
+    dm = DigitsCNNDataModule()
+    dm.setup()
+    x, y = next(iter(dm.val_dataloader()))
+
+    def amplified_loss(module: DigitsCNN) -> float:
+        loss = float(torch.nn.functional.cross_entropy(module(x), y))
+        return float(torch.exp(torch.tensor(strictness[module.trainer.current_epoch] * loss)))
+
+    def fit(epochs, ckpt=None):
+        L.seed_everything(0)
+        callback = ShrinkCheckpoint(dirpath=tmp_path, evaluate=amplified_loss, filename="{epoch}")
+        L.Trainer(max_epochs=epochs, callbacks=[callback], **_quiet()).fit(
+            DigitsCNN(max_epochs=3), dm, ckpt_path=ckpt
+        )
+        return [report.config for report in callback.reports]
+
+    first, second = fit(2)
+    assert None not in (first, second) and second != first
+    assert second.at_most_as_aggressive_as(first)  # the strict save backed off
+    (resumed,) = fit(3, tmp_path / "epoch=1.ckpt")
+    assert resumed is not None, (first, second)
+    assert resumed.at_most_as_aggressive_as(second), (first, second, resumed)
