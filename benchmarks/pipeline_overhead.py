@@ -36,13 +36,18 @@ from stalwart.pipeline.job import PipelineJob
 from stalwart.pipeline.launch import RunResult, launch
 
 LM = "stalwart.pipeline.workloads:CharLM"
-# name -> job fields. "eager" runs FRC in the waits and drops what is left at the commit (no
+# name -> job fields. "eager" runs FRC on idle CPU and drops what is left at the commit (no
 # failure can use it then); "eager-all" finishes every FRC each step (the thesis' schedule).
+# Both run FRC in a SCHED_IDLE thread per stage (the default); the "-wait" twins run it in the
+# stage's own thread while that thread waits (the fallback without SCHED_IDLE).
 VARIANTS = {
     "none": {"redundancy": "none"},
     "lazy": {"redundancy": "lazy"},
-    "eager": {"redundancy": "eager", "frc_policy": "bubble"},
-    "eager-all": {"redundancy": "eager", "frc_policy": "complete"},
+    **{
+        name + suffix: {"redundancy": "eager", "frc_policy": policy, "frc_executor": executor}
+        for suffix, executor in (("", "idle_thread"), ("-wait", "main_thread"))
+        for name, policy in (("eager", "bubble"), ("eager-all", "complete"))
+    },
 }
 WARMUP = 2  # steps not timed
 COMPUTE = ("Forward", "Backward")
@@ -83,10 +88,11 @@ def step_times(args: argparse.Namespace) -> None:
               f"= {bubble:.0%}")  # fmt: skip
         for v in VARIANTS:
             med = statistics.median(times[v])
-            line = f"  {v:<9} {med * 1e3:8.1f} ms/step   overhead vs none {med / none - 1:+6.1%}"
+            line = f"  {v:<14} {med * 1e3:8.1f} ms/step   overhead vs none {med / none - 1:+6.1%}"
             if v.startswith("eager"):
                 done, posted = _cpu_totals(profiles[v])["frc_tasks"]
                 line += f"   FRC done before the commit: {done / posted:.0%} of {posted:.0f}"
+                line += f"   pause {_slowest_wall(profiles[v], 'FRCPause') * 1e3:.1f} ms"
             print(line)
         work = _cpu_totals(profiles["none"])
         work.pop("frc_tasks")
@@ -122,6 +128,15 @@ def _cpu_totals(profiles: list) -> dict:
     out = {op: statistics.median(t.get(op, 0.0) for t in per_round) for op in ops}
     out["frc_tasks"] = (out.pop("frc_done", 0.0), out.pop("frc_posted", 0.0))
     return out
+
+
+def _slowest_wall(profiles: list, op: str) -> float:
+    """Wall seconds per step spent in ``op`` by the stage that spends the most, median over
+    rounds (for ``FRCPause``: how long a stage waits at the commit for the idle thread's layer
+    in flight — the priority inversion the SCHED_IDLE executor could cause)."""
+    return statistics.median(
+        max((ops[op][1] for ops in prof.values() if op in ops), default=0.0) for prof in profiles
+    )
 
 
 def _print_breakdown(variant: str, profiles: list) -> None:

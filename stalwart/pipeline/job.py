@@ -16,6 +16,7 @@ import torch
 
 from stalwart.errors import ConfigurationError
 from stalwart.pipeline.partition import balanced_bounds, measured_costs, parameter_costs
+from stalwart.pipeline.redundancy import EXECUTORS
 from stalwart.pipeline.schedule import SCHEDULES
 from stalwart.pipeline.workloads import load_workload
 
@@ -41,6 +42,12 @@ class PipelineJob:
             before it finishes the rest during recovery; ``"complete"`` finishes every FRC
             before the node reports the step done (the thesis' schedule, on a device with
             no spare compute to overlap it with).
+        frc_executor: who runs eager FRC on a CPU. ``"idle_thread"`` (default): a thread per
+            node in Linux's ``SCHED_IDLE`` class, which gets a core only when no normal thread
+            of any stage wants it — when stages share cores, FRC then cannot slow the critical
+            path (measured in docs/pipeline.md). ``"main_thread"``: the node's own thread
+            runs FRC while it is blocked (the behaviour without ``SCHED_IDLE``, used on other
+            OSes and on a GPU whatever is set here).
         num_nodes: worker processes; at least P, at most P x D (default P x D). Nodes beyond
             the last full pipeline wait on standby.
         num_pipelines: D data-parallel pipelines; the global batch is split into D shards and
@@ -75,6 +82,7 @@ class PipelineJob:
     steps: int = 8
     redundancy: str = "eager"
     frc_policy: str = "bubble"
+    frc_executor: str = "idle_thread"
     num_nodes: int | None = None
     num_pipelines: int = 1
     failure_timeout: float = 10.0
@@ -129,6 +137,8 @@ class PipelineJob:
             raise ConfigurationError(f"redundancy={self.redundancy!r}: use one of {REDUNDANCY}.")
         if self.frc_policy not in FRC_POLICIES:
             raise ConfigurationError(f"frc_policy={self.frc_policy!r}: use one of {FRC_POLICIES}.")
+        if self.frc_executor not in EXECUTORS:
+            raise ConfigurationError(f"frc_executor={self.frc_executor!r}: use one of {EXECUTORS}.")
         optimizer_spec(self)  # raises for an unknown optimizer
         if self.device not in DEVICES:
             raise ConfigurationError(f"device={self.device!r}: use one of {DEVICES}.")

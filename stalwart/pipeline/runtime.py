@@ -2,10 +2,11 @@
 
 One process per node. Each worker owns one or more stages of its pipeline and holds replicas of
 its ring successor's stages. Per step it runs its program (see :mod:`stalwart.pipeline.schedule`)
-once per data shard of its pipeline, with eager FRC advanced layer by layer while it waits (see
-:mod:`stalwart.pipeline.redundancy`); sums each owned stage's gradient over the D pipelines;
-sends it to the replica holder; commits the step through the store; and then both owner and
-shadow apply the optimizer — so the replica equals the owner bit for bit.
+once per data shard of its pipeline, with eager FRC run on otherwise idle CPU (a SCHED_IDLE
+thread, or layer by layer while it waits; see :mod:`stalwart.pipeline.redundancy`); sums each
+owned stage's gradient over the D pipelines; sends it to the replica holder; commits the step
+through the store; pauses the FRC; and then both owner and shadow apply the optimizer — so the
+replica equals the owner bit for bit.
 
 On a lost peer (a send/recv raises, or the agent reports a death) the worker reports it in the
 store, drops its process groups — closing their sockets wakes every rank blocked on it — and
@@ -122,7 +123,7 @@ class Worker:
         self._meta: dict[tuple, dict[int, tuple[torch.Size, torch.dtype]]] = {}
         self._shape_model: list[nn.Module] | None = None
         self._batches: dict[int, tuple] = {}
-        self.frc = EagerFRC(self.modules, self._frc_input)
+        self.frc = self._new_frc()
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recv-wait")
         self._step = 0
         self._op_label = ""
@@ -149,6 +150,14 @@ class Worker:
 
     def _held_stages(self) -> list[int]:
         return self.placement.stages_of(self.rank) + self.placement.replicas_of(self.rank)
+
+    def _new_frc(self) -> EagerFRC:
+        executor = self.job.frc_executor
+        if self.job.redundancy != "eager" or self.device.type != "cpu":
+            # Nothing to run (no idle thread needed), or on a GPU: FRC is launched from the main
+            # thread and overlaps through the device's streams.
+            executor = "main_thread"
+        return EagerFRC(self.modules, self._frc_input, executor)
 
     def _stage_module(self, layers: list[nn.Module], stage: int) -> nn.Sequential:
         start, end = self.job.bounds[stage]
@@ -234,13 +243,14 @@ class Worker:
         return self.members.index(rank)
 
     def _recv(self, t: torch.Tensor, src: int, tg: int) -> None:
-        """Blocking receive; while it is outstanding, queued FRC runs layer by layer (the
-        bubble). A gloo receive only reports completion through ``wait()``, so a helper
-        thread waits (without the GIL) and this thread polls it between layers."""
+        """Blocking receive. With the main-thread FRC executor, queued FRC runs layer by layer
+        while it is outstanding (the bubble): a gloo receive only reports completion through
+        ``wait()``, so a helper thread waits (without the GIL) and this thread polls it between
+        layers."""
         error = None
         try:
             work = self.pg.recv([t], self._grank(src), tg)
-            if not self.frc.pending or self.device.type != "cpu":
+            if self.frc.background or not self.frc.pending or self.device.type != "cpu":
                 # (On a GPU, wait() only orders the compute stream after the receive; FRC
                 # overlaps through the streams instead and runs at the end-of-step wait.)
                 work.wait()
@@ -321,6 +331,7 @@ class Worker:
         self.injector.check(step, None)
         self._timer_start = (time.perf_counter(), time.thread_time())
         self._interrupted = bool(todo)  # until the program completes
+        self.frc.resume()  # paused since the last commit or failure
         for ins in self.program(todo):
             self.injector.check(step, ins)
             s, k = ins.stage, ins.mb
@@ -374,8 +385,10 @@ class Worker:
             elif ins.op is Op.SEND_GRAD:
                 self._isend(ins_buf.pop((s, k)).grad, owner[s - 1], tag(GRAD, s - 1, k))
             elif ins.op is Op.FRC:
-                # Posted, not run: it runs while this node waits (see EagerFRC).
-                self.frc.post(s, k, outs.get((s - 1, k)))
+                # Posted, not run: it runs on idle CPU (see EagerFRC). Stage 0's input is
+                # loaded here, in this thread: the idle thread must not touch the batch cache.
+                source = self._microbatch(step, k)[0] if s == 0 else outs.get((s - 1, k))
+                self.frc.post(s, k, source)
             self._tick(ins.op.value)
         self._done_shards |= set(todo)
         self._interrupted = False
@@ -389,7 +402,9 @@ class Worker:
         self._exchange_replica_grads()
         self._tick("ReplicaGrads")
         if self.job.frc_policy == "complete":
-            self.frc.finish()  # what did not fit into this step's waits, before "done"
+            # What did not fit into idle time, run here at normal priority before "done" (the
+            # idle thread, paused by finish(), could be starved by the other stages).
+            self.frc.finish()
             self._tick(Op.FRC.value)
         self._wait_sends()
         self._tick("WaitSends")
@@ -404,6 +419,12 @@ class Worker:
         entry[1] += now - wall0
         entry[2] += 1
         self._timer_start = (now, cpu)
+
+    def _optimizer_step(self, stages: Sequence[int]) -> None:
+        for s in stages:
+            if (opt := self.optimizers[s]) is not None:
+                opt.step()
+            self.modules[s].zero_grad(set_to_none=True)
 
     def _flat_grad(self, stage: int) -> torch.Tensor:
         params = list(self.modules[stage].parameters())
@@ -453,7 +474,7 @@ class Worker:
             dead = [m for m in self.members if self.store.check([self._key("dead", m)])]
             if dead:
                 raise PeerFailure(f"rank(s) {dead} died before the all-reduce")
-            if self.frc.pending:
+            if self.frc.pending and not self.frc.background:
                 self.frc.advance()
             else:
                 time.sleep(0.002)
@@ -511,7 +532,7 @@ class Worker:
                 raise PeerFailure(f"rank(s) {dead} died before finishing step {step}")
             if time.monotonic() > deadline:
                 raise PeerFailure(f"step {step} not finished by all within the failure timeout")
-            if self.frc.pending:
+            if self.frc.pending and not self.frc.background:
                 # Waiting for the slowest stage is bubble too. FRC still queued once every
                 # stage is done is dropped: after the commit no failure can need it.
                 self._tick("Commit")
@@ -575,7 +596,8 @@ class Worker:
         self.layout, self.members = layout, layout.members
         if decision["kind"] == "fallback":
             self._build(self._held_stages(), checkpoint=decision["resume"])
-            self.frc = EagerFRC(self.modules, self._frc_input)
+            self.frc.close()
+            self.frc = self._new_frc()
             changed = True
         else:
             keep = set(self.placement.stages_of(self.rank))
@@ -672,21 +694,32 @@ class Worker:
                 started = time.perf_counter()
                 self.clock = {}
                 self.frc.completed = self.frc.posted = 0
+                self.frc.thread_clock = [0.0, 0.0, 0]
                 self.run_step(step)
                 self._commit(step)
                 self._tick("Commit")
             except PeerFailure as exc:
                 reason = str(exc)
+                self.frc.pause()  # recovery works on the FRC queue and cache itself
             else:
-                for s, opt in self.optimizers.items():
-                    if opt is not None:
-                        opt.step()
-                    self.modules[s].zero_grad(set_to_none=True)
+                frc_done = self.frc.completed
+                # Owned stages first: meanwhile the idle thread may finish its FRC layer in
+                # flight. The replicas' weights must not change under it: pause it, then step.
+                replicas = self.placement.replicas_of(self.rank)
+                self._optimizer_step([s for s in self.modules if s not in replicas])
+                self._tick("OptimizerStep")
+                self.frc.pause()
+                self._tick("FRCPause")
+                self._optimizer_step(replicas)
                 self._done_shards, self._local_grads = set(), {}
                 self.frc.forget()
                 self._tick("OptimizerStep")
                 if self.job.profile:
-                    self.clock["frc_tasks"] = [self.frc.completed, self.frc.posted, 0]
+                    if self.frc.thread_clock[2]:  # the idle thread's FRC: not in our ticks
+                        entry = self.clock.setdefault(Op.FRC.value, [0.0, 0.0, 0])
+                        for i, value in enumerate(self.frc.thread_clock):
+                            entry[i] += value
+                    self.clock["frc_tasks"] = [frc_done, self.frc.posted, 0]
                     self.store.set(self._key("profile", step, self.rank), json.dumps(self.clock))
                 if self.rank == self.layout.pipelines[0].owner[self.P - 1]:
                     keys = [self._key("shard_loss", step, j) for j in range(self.D)]
@@ -748,7 +781,11 @@ def run_worker(
 
     signal.signal(signal.SIGTERM, leave)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    Worker(job, rank, store, faults).train()
+    worker = Worker(job, rank, store, faults)
+    try:
+        worker.train()
+    finally:
+        worker.frc.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,7 @@ def test_zero_timeout():
 
 def test_other_bad_fields():
     launch_fails("redundancy", redundancy="sometimes")
+    launch_fails("frc_executor='gpu_idle'", frc_executor="gpu_idle")
     launch_fails("multiple of", batch_size=30)
     launch_fails("P x D", num_nodes=5)
     launch_fails("only 4 ranks", faults=[Fault(rank=7, step=0)])

@@ -97,6 +97,19 @@ def test_sigkill_one_stage_training_continues_without_restart(clean, fault):
 
 
 @pytest.mark.timeout(90)
+def test_main_thread_frc_executor_fails_over_the_same(clean):
+    # The executor used where there is no SCHED_IDLE: FRC advanced by the stage's own thread in
+    # its waits. Same failover, same losses, same bit-identical replicas, FRC reused.
+    fault = Fault(rank=1, step=3, phase="backward", microbatch=1)
+    result = run([fault], verify_replicas=True, frc_executor="main_thread")
+    assert_same_losses(result, clean)
+    assert [e["kind"] for e in result.events] == ["failover"]
+    assert result.frc_reused[0] > 0
+    pairs = [pair for pair in result.digests.values() if len(pair) == 2]
+    assert pairs and all(pair["owner"] == pair["replica"] for pair in pairs)
+
+
+@pytest.mark.timeout(90)
 def test_sigterm_preempted_rank_leaves_and_the_rest_continue(clean):
     result = run([Fault(rank=2, step=1, phase="backward", signal="SIGTERM")], redundancy="lazy")
     assert result.exit_codes[2] == 128 + 15
