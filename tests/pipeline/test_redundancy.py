@@ -22,6 +22,18 @@ def stages() -> dict[int, nn.Sequential]:
     }
 
 
+def assert_frc_equals_owner(out1, leaf1, replica, owner, x) -> None:
+    """Stage 1's FRC output equals the owner's forward, and a backward through the FRC graph
+    gives the owner's gradients, bit for bit."""
+    want = owner[1](owner[0](x))
+    assert torch.equal(out1, want)
+    out1.sum().backward()
+    want.sum().backward()
+    for a, b in zip(replica[1].parameters(), owner[1].parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    assert leaf1.grad is not None
+
+
 def test_sliced_frc_equals_the_owner_forward_and_backward_bit_for_bit():
     replica = stages()
     owner = stages()  # same seed: the owner's copy of the same stages
@@ -36,14 +48,9 @@ def test_sliced_frc_equals_the_owner_forward_and_backward_bit_for_bit():
     assert steps == 5  # 2 + 3 layers
     assert frc.completed == frc.posted == 2
     (_, out0), (leaf1, out1) = frc.take(0, 0), frc.take(1, 0)
-    want = owner[1](owner[0](x))
-    assert torch.equal(out1, want)
     # The saved graph is what a shadow's backward (lazy BRC) runs on: same gradients.
-    out1.sum().backward()
-    want.sum().backward()
-    for a, b in zip(replica[1].parameters(), owner[1].parameters(), strict=True):
-        assert torch.equal(a.grad, b.grad)
-    assert leaf1.grad is not None and out0.grad_fn is not None
+    assert_frc_equals_owner(out1, leaf1, replica, owner, x)
+    assert out0.grad_fn is not None
 
 
 def test_post_skips_cached_and_forget_keeps_only_named_stages():
@@ -112,14 +119,8 @@ def test_idle_thread_runs_frc_in_sched_idle_and_its_graph_backprops_bit_for_bit(
         leaf1, out1 = frc.take(1, 0)
     finally:
         frc.close()
-    want = owner[1](owner[0](x))
-    assert torch.equal(out1, want)
     # The graph was recorded in the idle thread; the failover backward runs in this one.
-    out1.sum().backward()
-    want.sum().backward()
-    for a, b in zip(replica[1].parameters(), owner[1].parameters(), strict=True):
-        assert torch.equal(a.grad, b.grad)
-    assert leaf1.grad is not None
+    assert_frc_equals_owner(out1, leaf1, replica, owner, x)
 
 
 @idle_only
