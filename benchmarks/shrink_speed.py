@@ -7,12 +7,14 @@ Target: encode < 30 s, decode < 10 s on a 2-core CPU.
 
 Part 2 (overhead): the stdlib character transformer, first trained briefly without
 ShrinkCheckpoint (the plain batch time), then with it, saving one checkpoint per ~60 s of training
-(the step count comes from the plain batch time). Printed from that one run: compression seconds
-(search included) / training seconds, and the median batch time outside and inside the gradient
-window against plain training. Target: <= 2%, throughput outside the window unchanged.
+(the step count comes from the plain batch time) for 10 checkpoints by default: a ~10-minute run,
+the first checkpoint's full search included and amortised over no more than that. Printed from
+that one run: compression seconds (search included) / training seconds, and the median batch time
+outside and inside the gradient window against plain training. Target: <= 2%, throughput outside
+the window unchanged. The PASS/FAIL line is the measured in-run share, never an extrapolation.
 
     .venv/bin/python benchmarks/shrink_speed.py --skip-overhead   # codec only (~3 min)
-    .venv/bin/python benchmarks/shrink_speed.py --skip-codec      # overhead only (~5 min)
+    .venv/bin/python benchmarks/shrink_speed.py --skip-codec      # overhead only (~12 min)
     .venv/bin/python benchmarks/shrink_speed.py --params 10_000_000 --checkpoints 2   # quick
 """
 
@@ -130,15 +132,17 @@ def overhead(seconds_per_checkpoint: float, checkpoints: int, calibration_steps:
     compress = [r.seconds for r in reports]
     for epoch, (r, t) in enumerate(zip(reports, timer.epochs, strict=True)):
         print(f"  checkpoint {epoch}: train {t:6.1f} s  compress {r.seconds:5.2f} s "
-              f"(search {r.search_seconds:5.2f} s, {r.evaluations} evals)  "
+              f"(search {r.search_seconds:5.2f} s, {r.evaluations} scored + {r.screenings} "
+              f"screened)  "
               f"{r.kind:8} weights {r.ratio:5.1f}x  {r.config}")  # fmt: skip
     outside, inside = median(timer.outside), median(timer.inside)
     print(f"median batch: {plain_batch * 1e3:.1f} ms plain, {outside * 1e3:.1f} ms with "
           f"ShrinkCheckpoint outside the gradient window ({outside / plain_batch:.3f}x), "
           f"{inside * 1e3:.1f} ms inside it ({inside / plain_batch:.3f}x)")  # fmt: skip
     share = sum(compress) / train_s
-    print(f"compression {sum(compress):.2f} s / training {train_s:.1f} s in this run = "
-          f"{share:.2%} (first checkpoint's full search included)")  # fmt: skip
+    print(f"compression {sum(compress):.2f} s / training {train_s:.1f} s in this run of "
+          f"{len(compress)} checkpoints = {share:.2%} (first checkpoint's full search "
+          "included)")  # fmt: skip
     steady = compress[1:]
     if steady:
         mean = sum(steady) / len(steady)
@@ -146,12 +150,14 @@ def overhead(seconds_per_checkpoint: float, checkpoints: int, calibration_steps:
         print(
             f"  first checkpoint {compress[0]:.2f} s (full search), then mean {mean:.2f} s "
             f"(neighbourhood): {mean / (train_s / len(compress)):.2%} per checkpoint in steady "
-            f"state; {hour / (train_s / len(compress)):.2%} over an hour (60 checkpoints)"
+            f"state; extrapolated (not measured) to an hour, 60 checkpoints: "
+            f"{hour / (train_s / len(compress)):.2%}"
         )
     verdict = "PASS" if share <= 0.02 else "FAIL"
     print(
-        f"{verdict}: compression time, search included, {share:.2%} of training time at one "
-        f"checkpoint per ~{seconds_per_checkpoint:.0f} s of training (target <= 2%)"
+        f"{verdict}: compression time, search included, {share:.2%} of training time over a "
+        f"{train_s / 60:.0f}-minute run ({len(compress)} checkpoints, one per "
+        f"~{seconds_per_checkpoint:.0f} s of training; target <= 2%)"
     )
 
 
@@ -160,7 +166,7 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=100_000_000)
     parser.add_argument("--coders", default="auto,ans,zstd,huffman")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--checkpoints", type=int, default=4)
+    parser.add_argument("--checkpoints", type=int, default=10)
     parser.add_argument("--seconds-per-checkpoint", type=float, default=60.0)
     parser.add_argument("--calibration-steps", type=int, default=40)
     parser.add_argument("--skip-codec", action="store_true")

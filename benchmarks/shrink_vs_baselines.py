@@ -25,7 +25,7 @@ configuration search) and mean restore seconds (reading + decoding the checkpoin
 
 Run::
 
-    .venv/bin/python benchmarks/shrink_vs_baselines.py            # full, ~10-15 min on 2 cores
+    .venv/bin/python benchmarks/shrink_vs_baselines.py            # full, ~20 min on 2 cores
     .venv/bin/python benchmarks/shrink_vs_baselines.py --quick    # smoke run, ~1-2 min
 """
 
@@ -158,10 +158,13 @@ def char_workload(quick: bool) -> Workload:
             count += y.numel()
         return total / count / math.log(2)
 
+    # 18 epochs of 100 batches, a restore every 3 (300 steps to recover from each): with 12 epochs
+    # and a restore every 2 the loss still fell ~2% per interval at the end and the lag the
+    # restores left added up to +1.6-2.8% bpc; now it falls 1.1-1.8% per interval at the end.
     return Workload(
         name="char transformer",
-        epochs=3 if quick else 12,
-        segment=1 if quick else 2,
+        epochs=3 if quick else 18,
+        segment=1 if quick else 3,
         make_model=lambda: CharTransformer(datamodule.vocab_size, block_size=datamodule.block_size),
         datamodule=datamodule,
         metric=lambda model: bpc(model, datamodule.val_dataloader()),
@@ -388,8 +391,10 @@ def print_table(workload: Workload, rows: list[Row], tau: float) -> None:
         )
 
 
-def verdict(workload: Workload, rows: list[Row], runs: dict[str, Run], tau: float) -> bool:
-    """Print the claim as computed PASS/FAIL lines; True when it holds."""
+def verdict(
+    workload: Workload, rows: list[Row], runs: dict[str, Run], tau: float
+) -> tuple[bool, bool]:
+    """Print the claims as computed PASS/FAIL lines; (must-show 3 holds, must-show 2 holds)."""
     ours = next(row for row in rows if row.method == "stalwart")
     passed = True
     for row in rows:
@@ -448,7 +453,7 @@ def verdict(workload: Workload, rows: list[Row], runs: dict[str, Run], tau: floa
         print(f"  final {workload.extra_name}: {extras}")
     fits = ", ".join(f"{row.method} {row.fit_seconds:.1f}" for row in rows)
     print(f"  fit seconds incl. checkpointing (shared 2-core machine): {fits}")
-    return passed
+    return passed, issue
 
 
 def run_workload(
@@ -458,7 +463,7 @@ def run_workload(
     cnr_threshold: float,
     methods: tuple[str, ...],
     tau: float,
-) -> bool:
+) -> tuple[bool, bool]:
     runs = {method: Run(method, root / method.replace("+", "_")) for method in methods}
     ends = workload.boundaries()
     models: dict[str, L.LightningModule] = {}
@@ -489,6 +494,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="short smoke run")
     parser.add_argument("--workload", choices=("digits", "char", "both"), default="both")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (2 = this machine)")
     parser.add_argument(
         "--cnr-threshold",
         type=float,
@@ -511,7 +517,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
     methods = tuple(method for method in METHODS if method in chosen)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
@@ -535,9 +541,12 @@ def main() -> None:
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
+    beats = all(result[0] for result in results)
+    targets = all(result[1] for result in results)
     print(
-        f"\nOVERALL {'PASS' if all(results) else 'FAIL'} ({len(results)} workload(s), "
-        f"{time.perf_counter() - start:.0f}s wall)"
+        f"\nOVERALL must-show 3 (beats every baseline) {'PASS' if beats else 'FAIL'}, must-show 2 "
+        f"(>= 20x, snapshot >= 8x, metric within 1%) {'PASS' if targets else 'FAIL'} "
+        f"({len(results)} workload(s), {time.perf_counter() - start:.0f}s wall)"
     )
 
 

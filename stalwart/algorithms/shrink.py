@@ -30,7 +30,7 @@ from stalwart.shrink.container import is_shrunk_file
 from stalwart.shrink.entropy import DEFAULT_CODER
 from stalwart.shrink.gradients import GradientEMA
 from stalwart.shrink.partition import layer_types_of
-from stalwart.shrink.scoring import first_batches, live_evaluator
+from stalwart.shrink.scoring import first_batches, live_evaluator, screening_batches
 from stalwart.shrink.search import ConfigSearch
 
 #: The Shrink whose saver is writing right now (Composer's writer is a module function).
@@ -86,6 +86,9 @@ class Shrink(Algorithm):
         keyframe_every: a full checkpoint (no delta) every this many saves.
         compress_optimizer: ``"lossless"`` (default) or ``"lossy"`` optimizer state.
         eval_batches: how many batches of the first evaluator the search scores candidates on.
+        screen_fraction: share of those batches' rows (from the first batch) every candidate is
+            screened on first; only the search's answer is scored on all of them, so the bound
+            holds on the full scoring batches. 0 scores every candidate on all of them.
         evaluate: ``evaluate(model) -> loss`` on held-out data, instead of the model's own loss
             on the first evaluator's batches.
         grad_window: batches at the end of each epoch whose gradients feed the EMA
@@ -113,6 +116,7 @@ class Shrink(Algorithm):
         keyframe_every: int = 10,
         compress_optimizer: str = "lossless",
         eval_batches: int = 2,
+        screen_fraction: float = 0.125,
         evaluate: Callable[[torch.nn.Module], float] | None = None,
         grad_window: int = 50,
         grad_beta: float = 0.9,
@@ -122,6 +126,8 @@ class Shrink(Algorithm):
             raise ConfigurationError(f"tau is a relative degradation >= 0, got {tau}")
         if eval_batches < 1:
             raise ConfigurationError(f"eval_batches must be >= 1, got {eval_batches}")
+        if not 0.0 <= screen_fraction < 1.0:
+            raise ConfigurationError(f"screen_fraction must be in [0, 1), got {screen_fraction}")
         if grad_window < 0:
             raise ConfigurationError(f"grad_window must be >= 0, got {grad_window}")
         self.writer = ChainWriter(
@@ -132,6 +138,7 @@ class Shrink(Algorithm):
         self.search = ConfigSearch(tau)
         self.tau = tau
         self.eval_batches = eval_batches
+        self.screen_fraction = screen_fraction
         self.evaluate = evaluate
         self.grad_window = grad_window
         self._state: State | None = None
@@ -217,8 +224,14 @@ class Shrink(Algorithm):
         inner = dict(checkpoint["state"])
         weights = inner.pop("model")
         extra = {**checkpoint, "state": inner}
+        screen = None
+        if self.evaluate is None:  # a user's scorer cannot be split into a cheaper share
+            batches = screening_batches(self._held_out_batches(state), self.screen_fraction)
+            if batches is not None:
+                screen = live_evaluator(model, self._mean_loss(batches))
         request = ShrinkRequest(
             evaluate=live_evaluator(model, self._scorer(state)),
+            screen=screen,
             gradients=self.ema.take(),
             layer_types=layer_types_of(model),
             search=self.search,
@@ -228,8 +241,10 @@ class Shrink(Algorithm):
     def _scorer(self, state: State) -> Callable[[torch.nn.Module], float]:
         if self.evaluate is not None:
             return self.evaluate
-        batches = self._held_out_batches(state)
+        return self._mean_loss(self._held_out_batches(state))
 
+    @staticmethod
+    def _mean_loss(batches: list[Any]) -> Callable[[torch.nn.Module], float]:
         def mean_loss(model: torch.nn.Module) -> float:
             losses = []
             for batch in batches:

@@ -15,7 +15,7 @@ from stalwart.shrink.api import ShrinkReport
 from stalwart.shrink.entropy import DEFAULT_CODER
 from stalwart.shrink.gradients import GradientEMA
 from stalwart.shrink.partition import layer_types_of
-from stalwart.shrink.scoring import first_batches, live_evaluator
+from stalwart.shrink.scoring import first_batches, live_evaluator, screening_batches
 from stalwart.shrink.search import ConfigSearch
 
 
@@ -39,6 +39,9 @@ class ShrinkCheckpoint(ModelCheckpoint):
         eval_batches: how many validation batches the search scores candidates on. Scoring
             dominates compression time; two batches measure the relative degradation within
             ~10% of the whole validation set's (char transformer, 8k characters a batch).
+        screen_fraction: share of those batches' rows (from the first batch) every candidate is
+            screened on first; only the search's answer is scored on all of them, so the bound
+            holds on the full scoring batches. 0 scores every candidate on all of them.
         evaluate: ``evaluate(module) -> loss`` on held-out data, for modules whose
             ``training_step`` cannot score a batch (manual optimization); default: mean of
             ``training_step`` over the first ``eval_batches`` validation batches, in eval mode.
@@ -64,6 +67,7 @@ class ShrinkCheckpoint(ModelCheckpoint):
         keyframe_every: int = 10,
         compress_optimizer: str = "lossless",
         eval_batches: int = 2,
+        screen_fraction: float = 0.125,
         evaluate: Callable[[pl.LightningModule], float] | None = None,
         grad_window: int = 50,
         grad_beta: float = 0.9,
@@ -75,6 +79,8 @@ class ShrinkCheckpoint(ModelCheckpoint):
             raise ConfigurationError(f"tau is a relative degradation >= 0, got {tau}")
         if eval_batches < 1:
             raise ConfigurationError(f"eval_batches must be >= 1, got {eval_batches}")
+        if not 0.0 <= screen_fraction < 1.0:
+            raise ConfigurationError(f"screen_fraction must be in [0, 1), got {screen_fraction}")
         if grad_window < 0 or not 0.0 < grad_beta <= 1.0:
             raise ConfigurationError(
                 f"grad_window must be >= 0 and grad_beta in (0, 1]; got {grad_window}, {grad_beta}"
@@ -92,6 +98,7 @@ class ShrinkCheckpoint(ModelCheckpoint):
         )
         self.tau = tau
         self.eval_batches = eval_batches
+        self.screen_fraction = screen_fraction
         self.evaluate = evaluate
         self.grad_window = grad_window
         self.grad_beta = grad_beta
@@ -145,6 +152,7 @@ class ShrinkCheckpoint(ModelCheckpoint):
         module = trainer.lightning_module
         request = ShrinkRequest(
             evaluate=self._evaluator(trainer, module),
+            screen=self._screen(trainer, module),
             gradients=self.ema.take(),
             layer_types=layer_types_of(module),
             search=self.search,
@@ -162,6 +170,16 @@ class ShrinkCheckpoint(ModelCheckpoint):
         if self.evaluate is not None:
             return live_evaluator(module, self.evaluate)
         batches = self._held_out_batches(trainer, module)
+        return live_evaluator(module, lambda scored: self._mean_loss(scored, batches))
+
+    def _screen(
+        self, trainer: pl.Trainer, module: pl.LightningModule
+    ) -> Callable[[Mapping[str, torch.Tensor]], float] | None:
+        if self.evaluate is not None:
+            return None  # a user's scorer cannot be split into a cheaper share
+        batches = screening_batches(self._held_out_batches(trainer, module), self.screen_fraction)
+        if batches is None:
+            return None
         return live_evaluator(module, lambda scored: self._mean_loss(scored, batches))
 
     @staticmethod

@@ -55,6 +55,7 @@ class ShrinkReport:
     seconds: float
     search_seconds: float = 0.0
     evaluations: int = 0
+    screenings: int = 0
     chain: ChainState | None = field(default=None, repr=False)
 
     @property
@@ -108,6 +109,7 @@ def save(
     *,
     previous: str | os.PathLike | ShrinkReport | None = None,
     evaluate: Callable[[Mapping[str, torch.Tensor]], float] | None = None,
+    screen: Callable[[Mapping[str, torch.Tensor]], float] | None = None,
     tau: float = 0.05,
     gradients: Mapping[str, torch.Tensor] | None = None,
     config: QuantConfig | None = None,
@@ -127,6 +129,9 @@ def save(
             returned, which avoids decoding it again); None writes a keyframe.
         evaluate: ``evaluate(state_dict) -> loss`` on held-out data; with it, the quantization is
             searched so that ``(loss - loss_uncompressed) / loss_uncompressed <= tau``.
+        screen: a cheaper estimate of ``evaluate``'s loss (e.g. on a share of its batches) that
+            candidates are judged on first; only the search's answer is then scored with
+            ``evaluate``, and the bound holds on ``evaluate`` whatever the screen said.
         tau: the quality bound for the search.
         gradients: name -> gradient EMA, enabling sensitivity (|g*w|) pruning and protection.
         config: a fixed :class:`QuantConfig` instead of a search.
@@ -174,22 +179,23 @@ def save(
             analysis.previous_levels = chain.levels.get(name)
     degradation = None
     search_seconds = 0.0
-    evaluations = 0
+    evaluations = screenings = 0
     if config is not None:
         quantized = {name: a.quantize(config) for name, a in analyses.items()}
     elif evaluate is not None:
         search = search or ConfigSearch(tau)
         if chain is not None and search.previous is None and chain.config is not None:
             search.previous = chain.config
-        outcome = search.run(analyses, state_dict, evaluate)
+        outcome = search.run(analyses, state_dict, evaluate, screen)
         config, quantized, degradation = outcome.config, outcome.quantized, outcome.degradation
-        search_seconds, evaluations = outcome.seconds, len(outcome.trials)
+        search_seconds, evaluations = outcome.seconds, outcome.evaluations
+        screenings = outcome.screenings
     else:
         config = DEFAULT_CONFIG
         quantized = {name: a.quantize(config) for name, a in analyses.items()}
     return _write(
         state_dict, quantized, path, chain, config, extra, lossy_extra, coder, min_numel,
-        analyses, degradation, start, search_seconds, evaluations,
+        analyses, degradation, start, search_seconds, evaluations, screenings,
     )  # fmt: skip
 
 
@@ -208,6 +214,7 @@ def _write(
     start: float,
     search_seconds: float,
     evaluations: int,
+    screenings: int,
 ) -> ShrinkReport:
     sections = SectionWriter()
     entries: dict[str, dict] = {}
@@ -274,6 +281,7 @@ def _write(
         seconds=time.perf_counter() - start,
         search_seconds=search_seconds,
         evaluations=evaluations,
+        screenings=screenings,
         chain=new_chain,
     )
 

@@ -28,9 +28,11 @@ RETIRED_FILE = ".shrink-retired.json"
 
 @dataclass
 class ShrinkRequest:
-    """What a caller adds to one save: the search's scoring function, gradients, layer types."""
+    """What a caller adds to one save: the search's scoring (and screening) functions,
+    gradients, layer types."""
 
     evaluate: Callable[[Mapping[str, torch.Tensor]], float] | None = None
+    screen: Callable[[Mapping[str, torch.Tensor]], float] | None = None
     gradients: Mapping[str, torch.Tensor] | None = None
     layer_types: Mapping[str, str] | None = None
     search: ConfigSearch | None = None
@@ -106,6 +108,7 @@ class ChainWriter:
             path,
             previous=previous,
             evaluate=request.evaluate,
+            screen=request.screen,
             tau=self.tau,
             gradients=request.gradients,
             config=self.config if request.evaluate is None else None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -65,3 +66,41 @@ def first_batches(
     finally:
         restore_rng(rng)
     return batches
+
+
+def _leading_sizes(batch: Any) -> set[int]:
+    if isinstance(batch, torch.Tensor):
+        return {batch.shape[0]} if batch.dim() else {-1}
+    if isinstance(batch, Mapping):
+        return set().union(*(_leading_sizes(value) for value in batch.values()))
+    if isinstance(batch, list | tuple):
+        return set().union(*(_leading_sizes(value) for value in batch))
+    return {-1}  # anything else (a string, a number) may describe the rows: not sliceable
+
+
+def _head(batch: Any, rows: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[:rows]
+    if isinstance(batch, Mapping):
+        return type(batch)({key: _head(value, rows) for key, value in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_head(value, rows) for value in batch))
+    return type(batch)(_head(value, rows) for value in batch)
+
+
+def screening_batches(batches: list[Any], fraction: float) -> list[Any] | None:
+    """About ``fraction`` of the rows of ``batches``, taken from the first batch, to screen
+    candidates on; None when that is not smaller than what it would stand in for.
+
+    A batch is sliced when all its tensors share their first dimension (nested in tuples, lists
+    or dicts); otherwise the first batch stands in whole, if there is more than one.
+    """
+    if fraction <= 0 or not batches:
+        return None
+    sizes = [_leading_sizes(batch) for batch in batches]
+    if all(len(s) == 1 and min(s) > 0 for s in sizes):
+        total = sum(min(s) for s in sizes)
+        rows = max(1, math.ceil(fraction * total))
+        if rows < min(sizes[0]):
+            return [_head(batches[0], rows)]
+    return batches[:1] if len(batches) > 1 else None

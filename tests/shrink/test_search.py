@@ -70,3 +70,35 @@ def test_fixed_config_skips_search(tmp_path):
     config = QuantConfig(bins=6, prune=0.3, protect=0.0005)
     report = shrink.save(model.state_dict(), tmp_path / "x.shrunk", config=config)
     assert report.config == config and report.evaluations == 0 and report.ratio > 6
+
+
+def test_a_screen_only_guides_the_bound_holds_on_the_scoring_batches(tmp_path):
+    # A screen that calls every candidate harmless: the search must still write only what meets
+    # tau on the full scoring function, and still never get more aggressive.
+    model, x, y = _model_and_data()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+
+    def loss_of(state):
+        with torch.no_grad():
+            out = torch.func.functional_call(model, dict(state), (x[:512],))
+            return float(nn.functional.cross_entropy(out, y[:512]))
+
+    search = shrink.ConfigSearch(tau=0.01)
+    report = None
+    configs = []
+    for step in range(4):
+        for _ in range(25):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x[512:]), y[512:]).backward()
+            optimizer.step()
+        report = shrink.save(
+            model.state_dict(), tmp_path / f"{step}.shrunk", previous=report,
+            evaluate=loss_of, screen=lambda state: 1.0, search=search, tau=0.01,
+        )  # fmt: skip
+        reference = loss_of(model.state_dict())
+        written = loss_of(shrink.load(report.path))
+        assert report.screenings > 0
+        assert (written - reference) / reference <= 0.01 + 1e-6
+        configs.append(report.config)
+    for before, after in zip(configs, configs[1:], strict=False):
+        assert after.at_most_as_aggressive_as(before), (before, after)
