@@ -430,9 +430,7 @@ class _Bamboo:
 
     def lost_stages(self) -> bool:
         """True when some stage's layers have no live copy in any pipeline."""
-        return any(
-            all(j in h and (j - 1) % self.P in h for h in self.holes) for j in range(self.P)
-        )
+        return any(all(j in h and (j - 1) % self.P in h for h in self.holes) for j in range(self.P))
 
     def rebuild(self, seconds: float, restart: bool = False) -> None:
         """Re-form min(D, nodes // P) full pipelines from every live node (§3.7)."""
