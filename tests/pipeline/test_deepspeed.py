@@ -71,7 +71,7 @@ def _run_killed(workload: DeepSpeedWorkload, bounds: list[list[int]]):
         IN_MEMORY.pop("in-memory:ds")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # includes the module fixtures: a DeepSpeed import and two launches
 def test_pipeline_module_trains_through_a_kill_like_the_native_model(pipeline_module, native):
     assert [int(p) for p in pipeline_module.parts] == [0, 9]  # built for one stage here ...
     assert deepspeed_bounds(pipeline_module, 1) == [[0, 9]]  # ... and its own parts are kept
@@ -88,7 +88,7 @@ def test_pipeline_module_trains_through_a_kill_like_the_native_model(pipeline_mo
     assert [e["kind"] for e in killed.events] == ["failover"]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # includes the module fixtures: a DeepSpeed import and two launches
 def test_layerspec_list_trains_through_a_kill_like_the_native_model(native):
     specs = digits_specs()
     bounds = deepspeed_bounds(specs, 4)  # DeepSpeed's default method: parameter counts
