@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 DEFAULT_SIGMA = 0.2
+DEFAULT_RESTARTS = 3
 
 
 def point_weights(
@@ -57,11 +58,14 @@ def weighted_kmeans_1d(
     iterations: int = 50,
     seed: int = 0,
     init: torch.Tensor | None = None,
+    restarts: int = DEFAULT_RESTARTS,
 ) -> torch.Tensor:
     """Ascending centroids of ``k`` clusters of weighted 1-D ``points`` (Lloyd from k-means++).
 
     Returns fewer than ``k`` centroids only when there are fewer distinct points than ``k``.
-    ``init`` (k values) replaces the k-means++ start.
+    ``init`` (k values) replaces the k-means++ start. Without it, Lloyd runs from ``restarts``
+    k-means++ starts and the lowest weighted inertia wins (scikit-learn's ``n_init``): one start
+    merged two well-separated clusters and split a third in ~2% of 6-8-component mixtures.
 
     Example::
 
@@ -76,10 +80,23 @@ def weighted_kmeans_1d(
     if init is not None and init.numel() == k:
         # Warm start from the previous checkpoint's levels: Lloyd then settles near them, so
         # elements whose weights barely moved keep their index and the delta stays zero.
-        centroids = torch.sort(init.double().reshape(-1)).values
-    else:
-        generator = torch.Generator().manual_seed(seed)
-        centroids = _plus_plus_init(points, weights.clamp_min(0), k, generator)
+        return _lloyd(points, weights, torch.sort(init.double().reshape(-1)).values, iterations)
+    generator = torch.Generator().manual_seed(seed)
+    best, best_inertia = None, float("inf")
+    for _ in range(max(1, restarts)):
+        start = _plus_plus_init(points, weights.clamp_min(0), k, generator)
+        centroids = _lloyd(points, weights, start, iterations)
+        inertia = float(
+            (weights * (points - centroids[assign_sorted(points, centroids)]).square()).sum()
+        )
+        if inertia < best_inertia:
+            best, best_inertia = centroids, inertia
+    return best
+
+
+def _lloyd(
+    points: torch.Tensor, weights: torch.Tensor, centroids: torch.Tensor, iterations: int
+) -> torch.Tensor:
     membership = None
     for _ in range(iterations):
         new_membership = assign_sorted(points, centroids)
