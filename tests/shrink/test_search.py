@@ -17,7 +17,9 @@ def _model_and_data(seed=0):
     return model, x, y
 
 
-def test_bound_holds_and_neighbourhood_never_more_aggressive(tmp_path):
+def _train_and_save(tmp_path, checkpoints: int, tau: float, **save_kwargs):
+    """Train the model 25 steps per checkpoint and save each through one ConfigSearch; yield
+    (report, loss of the live weights, loss of what the file decodes to) per checkpoint."""
     model, x, y = _model_and_data()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
 
@@ -26,10 +28,9 @@ def test_bound_holds_and_neighbourhood_never_more_aggressive(tmp_path):
             out = torch.func.functional_call(model, dict(state), (x[:512],))
             return float(nn.functional.cross_entropy(out, y[:512]))
 
-    search = shrink.ConfigSearch(tau=0.05)
+    search = shrink.ConfigSearch(tau=tau)
     report = None
-    configs = []
-    for step in range(6):
+    for step in range(checkpoints):
         for _ in range(25):
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(x[512:]), y[512:]).backward()
@@ -37,12 +38,16 @@ def test_bound_holds_and_neighbourhood_never_more_aggressive(tmp_path):
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         report = shrink.save(
             model.state_dict(), tmp_path / f"{step}.shrunk", previous=report,
-            evaluate=loss_of, search=search, gradients=grads,
+            evaluate=loss_of, search=search, tau=tau, gradients=grads, **save_kwargs,
         )  # fmt: skip
+        yield report, loss_of(model.state_dict()), loss_of(shrink.load(report.path))
+
+
+def test_bound_holds_and_neighbourhood_never_more_aggressive(tmp_path):
+    configs = []
+    for report, reference, written in _train_and_save(tmp_path, 6, 0.05):
         # The bound holds for what was actually written (decoded from the file), not only for
         # the search's own bookkeeping.
-        reference = loss_of(model.state_dict())
-        written = loss_of(shrink.load(report.path))
         assert report.degradation <= 0.05 + 1e-9
         assert (written - reference) / reference <= 0.05 + 1e-6
         configs.append(report.config)
@@ -75,28 +80,8 @@ def test_fixed_config_skips_search(tmp_path):
 def test_a_screen_only_guides_the_bound_holds_on_the_scoring_batches(tmp_path):
     # A screen that calls every candidate harmless: the search must still write only what meets
     # tau on the full scoring function, and still never get more aggressive.
-    model, x, y = _model_and_data()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-
-    def loss_of(state):
-        with torch.no_grad():
-            out = torch.func.functional_call(model, dict(state), (x[:512],))
-            return float(nn.functional.cross_entropy(out, y[:512]))
-
-    search = shrink.ConfigSearch(tau=0.01)
-    report = None
     configs = []
-    for step in range(4):
-        for _ in range(25):
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(x[512:]), y[512:]).backward()
-            optimizer.step()
-        report = shrink.save(
-            model.state_dict(), tmp_path / f"{step}.shrunk", previous=report,
-            evaluate=loss_of, screen=lambda state: 1.0, search=search, tau=0.01,
-        )  # fmt: skip
-        reference = loss_of(model.state_dict())
-        written = loss_of(shrink.load(report.path))
+    for report, reference, written in _train_and_save(tmp_path, 4, 0.01, screen=lambda s: 1.0):
         assert report.screenings > 0
         assert (written - reference) / reference <= 0.01 + 1e-6
         configs.append(report.config)
