@@ -54,13 +54,13 @@ COMPUTE = ("Forward", "Backward")
 
 
 def _per_rank(result: RunResult, steps: range) -> dict[int, dict[str, list[float]]]:
-    """rank -> op -> [cpu s, wall s] per step, averaged over ``steps``."""
-    out: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
+    """rank -> op -> [cpu s, wall s, run-queue s] per step, averaged over ``steps``."""
+    out: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0] * 3))
     for (step, rank), ops in result.profile.items():
         if step in steps:
-            for op, (cpu, wall, _) in ops.items():
-                out[rank][op][0] += cpu / len(steps)
-                out[rank][op][1] += wall / len(steps)
+            for op, (cpu, wall, _, *runq) in ops.items():
+                for i, value in enumerate((cpu, wall, sum(runq))):
+                    out[rank][op][i] += value / len(steps)
     return out
 
 
@@ -74,10 +74,10 @@ def step_times(args: argparse.Namespace) -> None:
             optimizer="adam", lr=1e-3, profile=True,
         )  # fmt: skip
         bounds = PipelineJob(**base).validate().bounds
-        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        profiles: dict[str, list] = {v: [] for v in VARIANTS}
+        times: dict[str, list[float]] = {v: [] for v in args.variants}
+        profiles: dict[str, list] = {v: [] for v in args.variants}
         for r in range(args.rounds):
-            for v in list(VARIANTS) if r % 2 == 0 else reversed(VARIANTS):
+            for v in args.variants if r % 2 == 0 else reversed(args.variants):
                 job = PipelineJob(**base, **VARIANTS[v], bounds=bounds)
                 result = launch(job, timeout=900)
                 times[v] += result.step_seconds[WARMUP:]
@@ -86,7 +86,7 @@ def step_times(args: argparse.Namespace) -> None:
         bubble = (args.stages - 1) / (m + args.stages - 1)
         print(f"\nM={m} micro-batches, stage layers {bounds}, 1F1B bubble (P-1)/(M+P-1) "
               f"= {bubble:.0%}")  # fmt: skip
-        for v in VARIANTS:
+        for v in args.variants:
             med = statistics.median(times[v])
             line = f"  {v:<14} {med * 1e3:8.1f} ms/step   overhead vs none {med / none - 1:+6.1%}"
             if v.startswith("eager"):
@@ -94,8 +94,15 @@ def step_times(args: argparse.Namespace) -> None:
                 line += f"   FRC done before the commit: {done / posted:.0%} of {posted:.0f}"
                 line += f"   pause {_slowest_wall(profiles[v], 'FRCPause') * 1e3:.1f} ms"
             print(line)
+            blocked, queued = _blocked(profiles[v], COMPUTE), _blocked(profiles[v], COMPUTE, 2)
+            print(
+                f"  {'':<14} forward+backward of all stages' main threads: asleep (GIL waits) "
+                f"{blocked * 1e3:.1f} ms/step, on a run queue {queued * 1e3:.1f} ms/step"
+            )
         work = _cpu_totals(profiles["none"])
         work.pop("frc_tasks")
+        if "eager-all" not in profiles:
+            continue
         frc = _cpu_totals(profiles["eager-all"])["ForwardRedundant"]
         compute = sum(work[op] for op in COMPUTE)
         utilisation = sum(work.values()) / (cores * none)
@@ -106,7 +113,7 @@ def step_times(args: argparse.Namespace) -> None:
             f"machine {max(0.0, floor):+.1%}"
         )
         if args.breakdown:
-            for v in VARIANTS:
+            for v in args.variants:
                 _print_breakdown(v, profiles[v])
 
 
@@ -117,7 +124,7 @@ def _cpu_totals(profiles: list) -> dict:
     for prof in profiles:
         totals: dict = defaultdict(float)
         for ops in prof.values():
-            for op, (cpu, wall) in ops.items():
+            for op, (cpu, wall, _) in ops.items():
                 if op == "frc_tasks":  # counts, not seconds: [finished, posted]
                     totals["frc_done"] += cpu
                     totals["frc_posted"] += wall
@@ -130,6 +137,20 @@ def _cpu_totals(profiles: list) -> dict:
     return out
 
 
+def _blocked(profiles: list, ops: tuple[str, ...], field: int | None = None) -> float:
+    """Seconds per step the stages' main threads spent in ``ops`` blocked (wall - CPU - run
+    queue), or with ``field`` that field (2: run queue), summed over stages, median over
+    rounds."""
+
+    def part(cpu: float, wall: float, runq: float) -> float:
+        return (cpu, wall, runq)[field] if field is not None else wall - cpu - runq
+
+    return statistics.median(
+        sum(part(*stage[op]) for stage in prof.values() for op in ops if op in stage)
+        for prof in profiles
+    )
+
+
 def _slowest_wall(profiles: list, op: str) -> float:
     """Wall seconds per step spent in ``op`` by the stage that spends the most, median over
     rounds (for ``FRCPause``: how long a stage waits at the commit for the idle thread's layer
@@ -140,12 +161,14 @@ def _slowest_wall(profiles: list, op: str) -> float:
 
 
 def _print_breakdown(variant: str, profiles: list) -> None:
-    print(f"    {variant}: per stage, ms per step as cpu/wall (wall - cpu of a Recv = waiting)")
+    print(f"    {variant}: per stage, ms per step as cpu/wall/run queue (rest of wall: blocked)")
     prof = profiles[-1]
     for rank in sorted(prof):
         ops = sorted(prof[rank].items(), key=lambda kv: -kv[1][1])
-        timed = [(op, c, w) for op, (c, w) in ops if op != "frc_tasks" and w > 5e-4]
-        cells = "  ".join(f"{op} {c * 1e3:.1f}/{w * 1e3:.1f}" for op, c, w in timed)
+        timed = [(op, c, w, q) for op, (c, w, q) in ops if op != "frc_tasks" and w > 5e-4]
+        cells = "  ".join(
+            f"{op} {c * 1e3:.1f}/{w * 1e3:.1f}/{q * 1e3:.1f}" for op, c, w, q in timed
+        )
         print(f"      stage {rank}: {cells}")
 
 
@@ -215,6 +238,10 @@ def main() -> None:
         "--microbatches", default="2,4,8", type=lambda t: [int(v) for v in t.split(",")],
         help="comma-separated numbers of micro-batches per step (one table each)",
     )  # fmt: skip
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), type=lambda t: t.split(","),
+        help=f"comma-separated subset of {', '.join(VARIANTS)}",
+    )  # fmt: skip
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument(
         "--stages", type=int, default=4,
@@ -224,6 +251,9 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true", help="per-op per-stage times")
     parser.add_argument("--replica-sync", action="store_true", help="shard vs gradient sync")
     args = parser.parse_args()
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown or "none" not in args.variants:
+        parser.error(f"--variants must include none (unknown: {sorted(unknown)})")
     cores = len(os.sched_getaffinity(0))
     print(f"machine: {cores} CPU cores for {args.stages} stage processes; load average "
           f"{os.getloadavg()[0]:.2f} at start")  # fmt: skip

@@ -66,7 +66,8 @@ class RunResult:
         events: recoveries in order (kind, lost ranks, step, resume step, seconds, ...).
         exit_codes: per launch rank (negative = killed by that signal).
         frc_reused: per rank, how many forwards a shadow took from its eager-FRC cache.
-        profile: with ``job.profile``, ``{(step, rank): {op: [cpu_s, wall_s, count]}}``.
+        profile: with ``job.profile``, ``{(step, rank): {op: [cpu_s, wall_s, count,
+            run_queue_s]}}`` (run queue: seconds the thread was runnable but not running).
         seconds: wall time of the run.
     """
 

@@ -54,6 +54,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from stalwart.pipeline.threadclock import ThreadClock
+
 EXECUTORS = ("idle_thread", "main_thread")
 
 
@@ -99,8 +101,9 @@ class EagerFRC:
         self.queue: deque[_Task] = deque()
         self.cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.posted = self.completed = 0  # counters the runtime resets per step
-        # [CPU s, wall s, layers] of the idle thread (the caller's clock does not see them).
-        self.thread_clock = [0.0, 0.0, 0]
+        # [CPU s, wall s, layers, run-queue s] of the idle thread (the caller's clock does not
+        # see them).
+        self.thread_clock = [0.0, 0.0, 0, 0.0]
         self._cv = threading.Condition()
         self._paused = False
         self._busy = False  # the idle thread is running a layer
@@ -231,17 +234,19 @@ class EagerFRC:
             started.set()  # the constructor sees ``executor`` unchanged and falls back
             return
         self.executor = "idle_thread"
+        clock = ThreadClock()
         started.set()
         with self._cv:
             while True:
                 while not self._closed and (self._paused or not self.queue):
                     self._cv.wait()
                 if self._closed:
+                    clock.close()
                     return
                 task = self.queue[0]
                 self._busy = True
                 self._cv.release()
-                cpu, wall = time.thread_time(), time.perf_counter()
+                wall, (cpu, queued) = time.perf_counter(), clock.read()
                 try:
                     self._run_layer(task)
                 except BaseException as exc:  # handed to the main thread at the next pause
@@ -251,9 +256,11 @@ class EagerFRC:
                 finally:
                     self._cv.acquire()
                 self._busy = False
-                self.thread_clock[0] += time.thread_time() - cpu
+                cpu_now, queued_now = clock.read()
+                self.thread_clock[0] += cpu_now - cpu
                 self.thread_clock[1] += time.perf_counter() - wall
                 self.thread_clock[2] += 1
+                self.thread_clock[3] += queued_now - queued
                 if error is not None:
                     self._error, self._paused = error, True
                 else:

@@ -49,6 +49,7 @@ from stalwart.pipeline.job import PipelineJob, optimizer_spec
 from stalwart.pipeline.placement import Layout, LayoutRecovery, Placement, plan_layout
 from stalwart.pipeline.redundancy import EagerFRC
 from stalwart.pipeline.schedule import SCHEDULES, Instruction, Op, add_eager_frc, merge_streams
+from stalwart.pipeline.threadclock import ThreadClock
 from stalwart.pipeline.workloads import load_workload
 
 ACT, GRAD, REPLICA = 0, 1, 2
@@ -131,7 +132,8 @@ class Worker:
         self.pending: list = []
         self.clock: dict[str, list] = {}
         self._program: tuple[object, list[Instruction]] = (None, [])
-        self._timer_start = (time.perf_counter(), time.thread_time())
+        self._runq = ThreadClock()
+        self._timer_start = (time.perf_counter(), time.thread_time(), self._runq.read()[1])
 
     # ----------------------------------------------------------------- model state
     @property
@@ -329,7 +331,7 @@ class Worker:
         losses: dict[int, float] = {}
         self._step = step
         self.injector.check(step, None)
-        self._timer_start = (time.perf_counter(), time.thread_time())
+        self._timer_start = (time.perf_counter(), time.thread_time(), self._runq.read()[1])
         self._interrupted = bool(todo)  # until the program completes
         self.frc.resume()  # paused since the last commit or failure
         for ins in self.program(todo):
@@ -410,15 +412,18 @@ class Worker:
         self._tick("WaitSends")
 
     def _tick(self, name: str) -> None:
-        """Charge the CPU and wall time since the last tick to ``name`` (the op breakdown that
-        ``PipelineJob.profile`` publishes; the wall-minus-CPU part of a receive is waiting)."""
-        wall0, cpu0 = self._timer_start
-        now, cpu = time.perf_counter(), time.thread_time()
-        entry = self.clock.setdefault(name, [0.0, 0.0, 0])
+        """Charge the CPU, wall and run-queue time since the last tick to ``name`` (the op
+        breakdown that ``PipelineJob.profile`` publishes). Wall minus CPU minus run-queue time
+        is time this thread was blocked: waiting for a message in a receive, waiting for the GIL
+        in a compute op."""
+        wall0, cpu0, runq0 = self._timer_start
+        now, cpu, runq = time.perf_counter(), time.thread_time(), self._runq.read()[1]
+        entry = self.clock.setdefault(name, [0.0, 0.0, 0, 0.0])
         entry[0] += cpu - cpu0
         entry[1] += now - wall0
         entry[2] += 1
-        self._timer_start = (now, cpu)
+        entry[3] += runq - runq0
+        self._timer_start = (now, cpu, runq)
 
     def _optimizer_step(self, stages: Sequence[int]) -> None:
         for s in stages:
@@ -694,7 +699,7 @@ class Worker:
                 started = time.perf_counter()
                 self.clock = {}
                 self.frc.completed = self.frc.posted = 0
-                self.frc.thread_clock = [0.0, 0.0, 0]
+                self.frc.thread_clock = [0.0, 0.0, 0, 0.0]
                 self.run_step(step)
                 self._commit(step)
                 self._tick("Commit")
@@ -716,7 +721,7 @@ class Worker:
                 self._tick("OptimizerStep")
                 if self.job.profile:
                     if self.frc.thread_clock[2]:  # the idle thread's FRC: not in our ticks
-                        entry = self.clock.setdefault(Op.FRC.value, [0.0, 0.0, 0])
+                        entry = self.clock.setdefault(Op.FRC.value, [0.0, 0.0, 0, 0.0])
                         for i, value in enumerate(self.frc.thread_clock):
                             entry[i] += value
                     self.clock["frc_tasks"] = [frc_done, self.frc.posted, 0]

@@ -1,0 +1,65 @@
+"""ThreadClock: per-thread run and run-queue seconds from Linux's schedstat."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from stalwart.pipeline.threadclock import ThreadClock
+
+linux_only = pytest.mark.skipif(
+    not os.path.exists("/proc/thread-self/schedstat"), reason="schedstat is Linux-only"
+)
+
+
+def spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+@linux_only
+def test_own_clock_counts_this_threads_cpu_not_its_sleep():
+    clock = ThreadClock()
+    run0, wait0 = clock.read()
+    spin(0.05)
+    time.sleep(0.05)
+    run1, wait1 = clock.read()
+    clock.close()
+    assert 0.04 < run1 - run0 < 0.09  # the spin, not the sleep
+    assert wait1 >= wait0 >= 0.0
+    assert clock.read() == (0.0, 0.0)  # closed
+
+
+@linux_only
+def test_clock_of_another_thread_by_native_id():
+    started, done = threading.Event(), threading.Event()
+    ids: list[int] = []
+
+    def work() -> None:
+        ids.append(threading.get_native_id())
+        started.set()
+        spin(0.05)
+        done.wait(10)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    assert started.wait(10)
+    other = ThreadClock(ids[0])
+    time.sleep(0.2)  # meanwhile the worker spins; this thread does not
+    ran = other.read()[0]
+    done.set()
+    worker.join(10)
+    other.close()
+    assert ran >= 0.04
+
+
+def test_without_schedstat_it_reads_zero(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise FileNotFoundError("no /proc here")
+
+    monkeypatch.setattr(os, "open", refuse)
+    assert ThreadClock().read() == (0.0, 0.0)
