@@ -104,6 +104,7 @@ class ConfigSearch:
         state_dict: Mapping[str, torch.Tensor],
         evaluate: Evaluate,
         screen: Evaluate | None = None,
+        fixed: Mapping[str, torch.Tensor] | None = None,
     ) -> SearchOutcome:
         """Choose a configuration for this checkpoint.
 
@@ -115,6 +116,8 @@ class ConfigSearch:
             screen: a cheaper estimate of the same loss (e.g. on a share of the scoring batches)
                 that candidates are judged on first; None judges every candidate with
                 ``evaluate``.
+            fixed: name -> the tensor every candidate stores instead of ``state_dict``'s (the
+                small tensors rounded to bfloat16), so the bound covers them too.
         """
         start = time.perf_counter()
         has_gradients = any(a.gradient is not None for a in analyses.values())
@@ -132,6 +135,7 @@ class ConfigSearch:
 
         def candidate_of(quantized: Mapping[str, QuantizedTensor]) -> dict[str, torch.Tensor]:
             candidate = dict(state_dict)
+            candidate.update(fixed or {})
             candidate.update({name: q.dequantize() for name, q in quantized.items()})
             return candidate
 

@@ -1,5 +1,7 @@
 """The lossless layer: index deltas, run lengths, entropy coders, byte-shuffled tensors."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -8,6 +10,7 @@ from hypothesis import strategies as st
 
 import stalwart.shrink as shrink
 from stalwart.shrink.codec import decode_lossless, encode_lossless
+from stalwart.shrink.container import read_container
 from stalwart.shrink.delta import (
     delta_indices,
     run_length_decode,
@@ -111,5 +114,32 @@ def test_chain_decodes_each_checkpoint_to_its_own_quantization(tmp_path):
             # Protected values come back exactly as bf16(w).
             original = weights[name].reshape(-1)
             assert torch.equal(got[protected], original[protected].to(torch.bfloat16).float())
-        assert torch.equal(loaded["bias"], weights["bias"])  # small tensors: lossless
+        # Small float32 tensors: exactly bf16(w), like protected values.
+        assert torch.equal(loaded["bias"], weights["bias"].to(torch.bfloat16).float())
     assert report.kind == "delta" and report.chain_position == 3
+
+
+def test_small_tensors_are_rounded_or_exact_and_the_file_says_which_format(tmp_path):
+    torch.manual_seed(0)
+    weights = {
+        "w": torch.randn(64, 64),
+        "bias": torch.randn(7),
+        "steps": torch.tensor(12),
+        "scale": torch.randn(3, dtype=torch.float64),
+    }
+    rounded = shrink.save(weights, tmp_path / "rounded.shrunk")
+    exact = shrink.save(weights, tmp_path / "exact.shrunk", small_tensors="lossless")
+    loaded = shrink.load(rounded.path)
+    assert loaded["bias"].dtype == torch.float32
+    assert torch.equal(loaded["bias"], weights["bias"].to(torch.bfloat16).float())
+    # Only float32 is rounded: integer and float64 tensors come back bit-exact.
+    assert torch.equal(loaded["steps"], weights["steps"])
+    assert torch.equal(loaded["scale"], weights["scale"])
+    assert torch.equal(shrink.load(exact.path)["bias"], weights["bias"])
+    assert exact.weight_stored > rounded.weight_stored
+    # A file declares the oldest format that reads it: the bfloat16 encoding needs format 2, a
+    # file without it stays format 1 (readable by a stalwart that knows only format 1).
+    for report, version in ((rounded, 2), (exact, 1)):
+        container = read_container(report.path)
+        assert container.header["format"] == version
+        assert Path(report.path).read_bytes()[8:10] == version.to_bytes(2, "little")
