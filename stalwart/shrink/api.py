@@ -265,7 +265,7 @@ def _write(
     if chain is not None:
         base = {"file": os.path.relpath(chain.path, path.parent), "crc32": chain.crc32}
     position = 0 if chain is None else chain.position + 1
-    version = format_version(entries)
+    version = format_version(entries, config)
     header = {
         "format": version,
         "kind": "keyframe" if chain is None else "delta",

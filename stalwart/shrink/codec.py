@@ -66,14 +66,16 @@ def decode_lossless(blob: bytes, dtype: torch.dtype, shape: list[int]) -> torch.
     return torch.from_numpy(unshuffled).view(dtype).reshape(shape).clone()
 
 
-# The oldest file format that can read each entry encoding; a file declares the newest it uses,
-# so a stalwart too old to decode one of its entries refuses the file instead of misreading it.
+# The oldest file format that can read each entry encoding. A file declares the oldest format
+# that reads all of it, so a stalwart too old for one of its parts refuses the file instead of
+# misreading it. Format 2 added bfloat16 entries and per-layer-type bin counts in the config.
 ENCODING_FORMATS = {"lossless": 1, "quantized": 1, "bfloat16": 2}
 
 
-def format_version(entries: Mapping[str, dict]) -> int:
-    """The file format a table of entries needs."""
-    return max((ENCODING_FORMATS[entry["encoding"]] for entry in entries.values()), default=1)
+def format_version(entries: Mapping[str, dict], config: QuantConfig | None) -> int:
+    """The file format a table of entries and a configuration need."""
+    version = 2 if config is not None and config.type_bins else 1
+    return max([version, *(ENCODING_FORMATS[entry["encoding"]] for entry in entries.values())])
 
 
 def bfloat16_entry(tensor: torch.Tensor, sections: SectionWriter) -> dict:
