@@ -7,10 +7,11 @@ them — and then tries less protection at the best point found. Later checkpoin
 radius-1 neighbourhood of the previous choice, never more aggressive than it (models grow more
 sensitive as they train), and fall back to the full search when nothing there qualifies.
 
-Per layer type (the spec's partition): whenever the search had to move, the types are refined one
-at a time, largest first — fewer bins for that type alone while the bound holds and the estimate
-of the stored size falls — so a tolerant type (e.g. attention) does not pay for a sensitive one.
-The ceiling applies per type: no type is ever quantized more coarsely than before.
+Per layer type (the spec's partition; opt-in): whenever the search had to move, the types are
+refined one at a time, largest first — fewer bins for that type alone while the bound holds and
+the estimate of the stored size falls — so a tolerant type (e.g. attention) does not pay for a
+sensitive one. The ceiling applies per type: no type is ever quantized more coarsely than before
+(also when the previous configuration came from a file written with the refinement on).
 
 Scoring dominates the cost (93% of a char-transformer save). With a ``screen`` — the same loss on
 a small share of the scoring data — every candidate is first judged on the screen, and only the
@@ -85,7 +86,9 @@ class ConfigSearch:
         has_gradients: whether sensitivity-based pruning is possible.
         neighbourhood: whether later checkpoints search near the previous choice (paper) or redo
             the full search every time.
-        per_type: whether to refine the bin count per layer type after the shared choice.
+        per_type: whether to refine the bin count per layer type after the shared choice
+            (opt-in: each checkpoint where the search moves costs a few more screenings and one
+            more full scoring).
 
     Example::
 
@@ -94,7 +97,7 @@ class ConfigSearch:
     """
 
     def __init__(
-        self, tau: float = 0.05, *, neighbourhood: bool = True, per_type: bool = True
+        self, tau: float = 0.05, *, neighbourhood: bool = True, per_type: bool = False
     ) -> None:
         self.tau = tau
         self.neighbourhood = neighbourhood

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stalwart.shrink as shrink
-from stalwart.shrink.codec import decode_lossless, encode_lossless
+from stalwart.shrink.codec import decode_chain, decode_lossless, encode_lossless
 from stalwart.shrink.container import read_container
 from stalwart.shrink.delta import (
     delta_indices,
@@ -18,9 +18,13 @@ from stalwart.shrink.delta import (
     undelta_indices,
 )
 from stalwart.shrink.entropy import decode_stream, encode_stream
+from stalwart.shrink.partition import QuantConfig
 from stalwart.shrink.quantize import PROTECTED, PRUNED
 
 alphabets = st.integers(min_value=3, max_value=128)  # up to MAX_BINS + 2
+# A keyframe (8 bins, 10% pruned) and a delta (12 bins) written by the format-1 stalwart (b04b595),
+# with what that version decoded them to.
+FORMAT_1_CHAIN = Path(__file__).parent / "data" / "format1"
 
 
 @st.composite
@@ -143,3 +147,23 @@ def test_small_tensors_are_rounded_or_exact_and_the_file_says_which_format(tmp_p
         container = read_container(report.path)
         assert container.header["format"] == version
         assert Path(report.path).read_bytes()[8:10] == version.to_bytes(2, "little")
+
+
+def test_a_chain_written_in_format_1_still_loads_and_can_be_extended(tmp_path):
+    expected = torch.load(FORMAT_1_CHAIN / "decoded.pt")
+    for name, tensors in expected.items():
+        assert (FORMAT_1_CHAIN / name).read_bytes()[8:10] == (1).to_bytes(2, "little")
+        loaded = shrink.load(FORMAT_1_CHAIN / name)
+        assert list(loaded) == list(tensors)
+        assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    assert decode_chain(FORMAT_1_CHAIN / "1.shrunk")[2].config == QuantConfig(12, 0.0, protect=0.01)
+    for name in ("0.shrunk", "1.shrunk"):
+        (tmp_path / name).write_bytes((FORMAT_1_CHAIN / name).read_bytes())
+    weights = expected["1.shrunk"]
+    config = QuantConfig(bins=12, protect=0.01, type_bins={"linear": 8})
+    previous = tmp_path / "1.shrunk"
+    report = shrink.save(weights, tmp_path / "2.shrunk", previous=previous, config=config)
+    assert report.kind == "delta" and report.chain_position == 2
+    loaded = shrink.load(report.path)
+    assert torch.equal(loaded["steps"], weights["steps"])
+    assert loaded["layer.weight"].unique().numel() <= 8 + 1 + int(0.02 * 2048)

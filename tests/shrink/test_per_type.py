@@ -47,7 +47,8 @@ def _save(tmp_path, name, weights, sensitivity, search, previous=None, tau=0.05)
 def test_a_tolerant_type_gets_fewer_bins_within_the_bound(tmp_path):
     weights = _weights(0)
     sensitivity = {"fc.weight": 60.0, "attn.weight": 0.05}
-    report, written = _save(tmp_path, "a.shrunk", weights, sensitivity, shrink.ConfigSearch())
+    refined = shrink.ConfigSearch(per_type=True)
+    report, written = _save(tmp_path, "a.shrunk", weights, sensitivity, refined)
     shared, _ = _save(
         tmp_path, "b.shrunk", weights, sensitivity, shrink.ConfigSearch(per_type=False)
     )
@@ -58,7 +59,7 @@ def test_a_tolerant_type_gets_fewer_bins_within_the_bound(tmp_path):
 
 
 def test_the_ceiling_holds_per_type_and_the_bound_at_every_checkpoint(tmp_path):
-    search = shrink.ConfigSearch()
+    search = shrink.ConfigSearch(per_type=True)
     weights = _weights(0)
     report, written = _save(
         tmp_path, "0.shrunk", weights, {"fc.weight": 60.0, "attn.weight": 0.05}, search
