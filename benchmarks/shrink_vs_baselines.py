@@ -289,8 +289,8 @@ def fit_segment(
                     search_seconds=report.search_seconds,
                     degradation=report.degradation,
                     detail="lossless" if config is None else
-                    f"{config.bins}b/p{config.prune:g}{config.prune_metric[0]}/"
-                    f"k{config.protect:g}",
+                    f"{config.bins}b{_type_bins(config)}/p{config.prune:g}"
+                    f"{config.prune_metric[0]}/k{config.protect:g}",
                 )
             )  # fmt: skip
     else:
@@ -313,6 +313,12 @@ def fit_segment(
     run.segment_metrics.append(workload.metric(model))
     run.restored_metrics.append(metric_from_checkpoint(run, workload, cnr_threshold))
     return model
+
+
+def _type_bins(config) -> str:
+    """Per-layer-type bin counts, e.g. "(att8,lin6)"; empty when every type uses ``bins``."""
+    overrides = ",".join(f"{t[:3]}{b}" for t, b in config.type_bins)
+    return f"({overrides})" if overrides else ""
 
 
 def metric_from_checkpoint(run: Run, workload: Workload, cnr_threshold: float) -> float:

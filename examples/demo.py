@@ -140,14 +140,7 @@ def shrink_workload(root: Path, epochs: int = 15) -> None:
     print(f"{'epoch':>5} {'kind':8} {'weights':>8} {'whole':>6} {'degr.':>7} {'s':>5}  config")
     for epoch, r in enumerate(reports):
         degradation = "-" if r.degradation is None else f"{r.degradation:+.3f}"
-        config = (
-            "lossless"
-            if r.config is None
-            else (
-                f"{r.config.bins} bins, prune {r.config.prune:.0%} ({r.config.prune_metric}), "
-                f"protect {r.config.protect:.2%}"
-            )
-        )
+        config = "lossless" if r.config is None else r.config.describe()
         print(f"{epoch:5d} {r.kind:8} {r.ratio:7.1f}x {r.total_ratio:5.1f}x {degradation:>7} "
               f"{r.seconds:5.2f}  {config}")  # fmt: skip
     weights = sum(r.weight_bytes for r in reports) / sum(r.weight_stored for r in reports)

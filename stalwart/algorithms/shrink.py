@@ -89,6 +89,9 @@ class Shrink(Algorithm):
         screen_fraction: share of those batches' rows (from the first batch) every candidate is
             screened on first; only the search's answer is scored on all of them, so the bound
             holds on the full scoring batches. 0 scores every candidate on all of them.
+        per_type_bins: refine the bin count per layer type after the shared choice (off by
+            default: it adds screenings and a full scoring at each checkpoint where the search
+            moves, and did not raise the char transformer's ratio in a run with restores).
         evaluate: ``evaluate(model) -> loss`` on held-out data, instead of the model's own loss
             on the first evaluator's batches.
         grad_window: batches at the end of each epoch whose gradients feed the EMA
@@ -117,6 +120,7 @@ class Shrink(Algorithm):
         compress_optimizer: str = "lossless",
         eval_batches: int = 2,
         screen_fraction: float = 0.125,
+        per_type_bins: bool = False,
         evaluate: Callable[[torch.nn.Module], float] | None = None,
         grad_window: int = 50,
         grad_beta: float = 0.9,
@@ -135,7 +139,7 @@ class Shrink(Algorithm):
             coder=coder,
         )  # fmt: skip
         self.ema = GradientEMA(grad_beta)
-        self.search = ConfigSearch(tau)
+        self.search = ConfigSearch(tau, per_type=per_type_bins)
         self.tau = tau
         self.eval_batches = eval_batches
         self.screen_fraction = screen_fraction

@@ -42,6 +42,9 @@ class ShrinkCheckpoint(ModelCheckpoint):
         screen_fraction: share of those batches' rows (from the first batch) every candidate is
             screened on first; only the search's answer is scored on all of them, so the bound
             holds on the full scoring batches. 0 scores every candidate on all of them.
+        per_type_bins: refine the bin count per layer type after the shared choice (off by
+            default: it adds screenings and a full scoring at each checkpoint where the search
+            moves, and did not raise the char transformer's ratio in a run with restores).
         evaluate: ``evaluate(module) -> loss`` on held-out data, for modules whose
             ``training_step`` cannot score a batch (manual optimization); default: mean of
             ``training_step`` over the first ``eval_batches`` validation batches, in eval mode.
@@ -68,6 +71,7 @@ class ShrinkCheckpoint(ModelCheckpoint):
         compress_optimizer: str = "lossless",
         eval_batches: int = 2,
         screen_fraction: float = 0.125,
+        per_type_bins: bool = False,
         evaluate: Callable[[pl.LightningModule], float] | None = None,
         grad_window: int = 50,
         grad_beta: float = 0.9,
@@ -102,7 +106,7 @@ class ShrinkCheckpoint(ModelCheckpoint):
         self.evaluate = evaluate
         self.grad_window = grad_window
         self.grad_beta = grad_beta
-        self.search = ConfigSearch(tau)
+        self.search = ConfigSearch(tau, per_type=per_type_bins)
         self.ema = GradientEMA(grad_beta)
         self._held_out: list[Any] | None = None
         self._batch_idx = 0

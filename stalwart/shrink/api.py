@@ -14,14 +14,16 @@ import torch
 from stalwart.errors import ConfigurationError
 from stalwart.shrink.codec import (
     ChainState,
+    bfloat16_entry,
     decode_chain,
     entries_bytes,
+    format_version,
     lossless_entry,
     pack_object,
     quantized_entry,
     unpack_object,
 )
-from stalwart.shrink.container import FORMAT_VERSION, SectionWriter
+from stalwart.shrink.container import SectionWriter
 from stalwart.shrink.entropy import DEFAULT_CODER, check_coder
 from stalwart.shrink.partition import QuantConfig, guess_layer_type
 from stalwart.shrink.quantize import QuantizedTensor, TensorAnalysis
@@ -30,6 +32,7 @@ from stalwart.shrink.search import ConfigSearch
 DEFAULT_CONFIG = QuantConfig(bins=16, prune=0.0, prune_metric="magnitude", protect=0.005)
 LOSSY_OPTIMIZER_CONFIG = QuantConfig(bins=32, prune=0.0, prune_metric="magnitude", protect=0.01)
 MIN_QUANTIZED_NUMEL = 1024
+SMALL_TENSOR_MODES = ("bfloat16", "lossless")
 
 
 @dataclass
@@ -119,6 +122,7 @@ def save(
     lossy_extra: bool = False,
     coder: str = DEFAULT_CODER,
     min_numel: int = MIN_QUANTIZED_NUMEL,
+    small_tensors: str = "bfloat16",
 ) -> ShrinkReport:
     """Write ``state_dict`` shrunken to ``path``: quantized, delta-coded against ``previous``.
 
@@ -142,7 +146,12 @@ def save(
         coder: entropy coder of the index streams: ``"auto"`` (default: per stream the smaller
             of rANS and run lengths + zstd, measured: neither wins everywhere), ``"ans"``,
             ``"zstd"`` or ``"huffman"`` (the paper's).
-        min_numel: tensors with fewer elements (biases, norms) are stored losslessly.
+        min_numel: tensors with fewer elements (biases, norms) are not quantized.
+        small_tensors: how those are stored when float32: ``"bfloat16"`` (default; rounded, at
+            the precision of the protected weights, inside the bound tau like everything else:
+            on the char transformer they were 14% of the stored bits, half of it after rounding)
+            or ``"lossless"``. Integer tensors, and everything when no configuration met tau,
+            are stored losslessly.
 
     Example::
 
@@ -152,6 +161,10 @@ def save(
     """
     start = time.perf_counter()
     check_coder(coder)
+    if small_tensors not in SMALL_TENSOR_MODES:
+        raise ConfigurationError(
+            f"small_tensors must be one of {SMALL_TENSOR_MODES}, got {small_tensors!r}"
+        )
     if not tau >= 0.0:
         raise ConfigurationError(f"tau is a relative degradation >= 0, got {tau}")
     path = Path(path)
@@ -177,6 +190,13 @@ def save(
     if chain is not None:
         for name, analysis in analyses.items():
             analysis.previous_levels = chain.levels.get(name)
+    rounded = {}
+    if small_tensors == "bfloat16":
+        rounded = {
+            name: tensor.to(torch.bfloat16).to(tensor.dtype)
+            for name, tensor in state_dict.items()
+            if name not in analyses and tensor.dtype == torch.float32
+        }
     degradation = None
     search_seconds = 0.0
     evaluations = screenings = 0
@@ -186,22 +206,25 @@ def save(
         search = search or ConfigSearch(tau)
         if chain is not None and search.previous is None and chain.config is not None:
             search.previous = chain.config
-        outcome = search.run(analyses, state_dict, evaluate, screen)
+        outcome = search.run(analyses, state_dict, evaluate, screen, fixed=rounded)
         config, quantized, degradation = outcome.config, outcome.quantized, outcome.degradation
+        if config is None:
+            rounded = {}  # nothing met tau: every tensor is stored exactly
         search_seconds, evaluations = outcome.seconds, outcome.evaluations
         screenings = outcome.screenings
     else:
         config = DEFAULT_CONFIG
         quantized = {name: a.quantize(config) for name, a in analyses.items()}
     return _write(
-        state_dict, quantized, path, chain, config, extra, lossy_extra, coder, min_numel,
-        analyses, degradation, start, search_seconds, evaluations, screenings,
+        state_dict, quantized, set(rounded), path, chain, config, extra, lossy_extra, coder,
+        min_numel, analyses, degradation, start, search_seconds, evaluations, screenings,
     )  # fmt: skip
 
 
 def _write(
     state_dict: dict[str, torch.Tensor],
     quantized: dict[str, QuantizedTensor],
+    rounded: set[str],
     path: Path,
     chain: ChainState | None,
     config: QuantConfig | None,
@@ -224,6 +247,8 @@ def _write(
             entries[name] = quantized_entry(
                 quantized[name], previous, coder, sections, analyses[name].layer_type
             )
+        elif name in rounded:
+            entries[name] = bfloat16_entry(tensor, sections)
         else:
             entries[name] = lossless_entry(tensor, sections)
     weight_stored = entries_bytes(entries)
@@ -240,8 +265,9 @@ def _write(
     if chain is not None:
         base = {"file": os.path.relpath(chain.path, path.parent), "crc32": chain.crc32}
     position = 0 if chain is None else chain.position + 1
+    version = format_version(entries, config)
     header = {
-        "format": FORMAT_VERSION,
+        "format": version,
         "kind": "keyframe" if chain is None else "delta",
         "base": base,
         "chain_position": position,
@@ -254,7 +280,7 @@ def _write(
         "weight_bytes": _tensor_bytes(state_dict),
         "extra_bytes": _tensor_bytes(extra),
     }
-    size, crc = sections.write(path, header)
+    size, crc = sections.write(path, header, version)
     # Header and framing are charged to the weights: the header is mostly their tensor table.
     extra_stored = sections.size - weight_stored
     new_chain = ChainState(

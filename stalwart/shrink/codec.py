@@ -2,9 +2,11 @@
 
 A file's tensor table maps each name to an entry. Quantized entries hold the codebook, the coded
 delta stream and the protected values; decoding one needs the previous checkpoint's indices, which
-is why :func:`decode_chain` walks from the keyframe forward. Lossless entries (small tensors,
-integer buffers, optimizer state) are byte-shuffled first: grouping the bytes of equal significance
-lets zstd find the repetition in exponents that interleaved floats hide.
+is why :func:`decode_chain` walks from the keyframe forward. Lossless entries (integer buffers,
+optimizer state, everything when no quantization met the bound) are byte-shuffled first: grouping
+the bytes of equal significance lets zstd find the repetition in exponents that interleaved floats
+hide. Bfloat16 entries (small float32 tensors such as biases and norms, next to quantized weights)
+are the same with the two low bytes of each value dropped.
 """
 
 from __future__ import annotations
@@ -62,6 +64,28 @@ def decode_lossless(blob: bytes, dtype: torch.dtype, shape: list[int]) -> torch.
     count = raw.size // itemsize if itemsize else 0
     unshuffled = np.ascontiguousarray(raw.reshape(itemsize, count).T).reshape(-1)
     return torch.from_numpy(unshuffled).view(dtype).reshape(shape).clone()
+
+
+# The oldest file format that can read each entry encoding. A file declares the oldest format
+# that reads all of it, so a stalwart too old for one of its parts refuses the file instead of
+# misreading it. Format 2 added bfloat16 entries and per-layer-type bin counts in the config.
+ENCODING_FORMATS = {"lossless": 1, "quantized": 1, "bfloat16": 2}
+
+
+def format_version(entries: Mapping[str, dict], config: QuantConfig | None) -> int:
+    """The file format a table of entries and a configuration need."""
+    version = 2 if config is not None and config.type_bins else 1
+    return max([version, *(ENCODING_FORMATS[entry["encoding"]] for entry in entries.values())])
+
+
+def bfloat16_entry(tensor: torch.Tensor, sections: SectionWriter) -> dict:
+    """A float32 tensor rounded to bfloat16 (restored as float32)."""
+    return {
+        "encoding": "bfloat16",
+        "dtype": dtype_name(tensor.dtype),
+        "shape": list(tensor.shape),
+        "data": sections.add(encode_lossless(tensor.to(torch.bfloat16))),
+    }
 
 
 def lossless_entry(tensor: torch.Tensor, sections: SectionWriter) -> dict:
@@ -195,6 +219,14 @@ def decode_entry(
         quantized = decode_quantized(container, entry, previous, container.header["coder"])
         return (quantized.dequantize() if values else None), quantized
     data = container.section(entry["data"])
+    if entry["encoding"] == "bfloat16":
+        rounded = decode_lossless(data, torch.bfloat16, entry["shape"])
+        return rounded.to(dtype_of(entry["dtype"])), None
+    if entry["encoding"] != "lossless":
+        raise CorruptCheckpointError(
+            f"{container.path}: unknown tensor encoding {entry['encoding']!r}; it was written by a "
+            "newer stalwart. Upgrade stalwart to read it."
+        )
     return decode_lossless(data, dtype_of(entry["dtype"]), entry["shape"]), None
 
 

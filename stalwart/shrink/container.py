@@ -25,7 +25,10 @@ from stalwart.shrink.entropy import zstd_compress, zstd_decompress
 
 MAGIC = b"STWSHRK\0"
 END_MAGIC = b"\0KRHSWTS"
-FORMAT_VERSION = 1
+# The newest format this stalwart reads. 2 added bfloat16-rounded small tensors; a file is written
+# with the oldest version that can read it (see codec.format_version), so chains without them
+# stay readable by stalwart versions that only know format 1.
+FORMAT_VERSION = 2
 _PREFIX = struct.Struct("<8sHI")
 _TRAILER = struct.Struct("<QI8s")
 
@@ -56,10 +59,13 @@ class SectionWriter:
         self._size += len(blob)
         return address
 
-    def write(self, path: str | os.PathLike, header: dict) -> tuple[int, int]:
-        """Write header + sections atomically to ``path``; return (file size, CRC-32)."""
+    def write(
+        self, path: str | os.PathLike, header: dict, version: int = FORMAT_VERSION
+    ) -> tuple[int, int]:
+        """Write header + sections atomically to ``path`` as format ``version``; return (file
+        size, CRC-32)."""
         header_blob = zstd_compress(json.dumps(header, separators=(",", ":")).encode())
-        body = [_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header_blob)), header_blob, *self._parts]
+        body = [_PREFIX.pack(MAGIC, version, len(header_blob)), header_blob, *self._parts]
         crc = 0
         length = 0
         for part in body:

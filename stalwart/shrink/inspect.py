@@ -10,6 +10,7 @@ from stalwart.hindsight.checkpoint_file import write_checkpoint
 from stalwart.shrink.api import load_with_extra
 from stalwart.shrink.codec import entries_bytes
 from stalwart.shrink.container import is_shrunk_file, read_container
+from stalwart.shrink.partition import QuantConfig
 
 
 def describe(path: Path) -> dict:
@@ -25,10 +26,7 @@ def describe(path: Path) -> dict:
         "kind": header["kind"],
         "base": None if header["base"] is None else Path(header["base"]["file"]).name,
         "position": header["chain_position"],
-        "config": "lossless"
-        if config is None
-        else f"{config['bins']} bins, prune {config['prune']:.0%} by {config['prune_metric']}, "
-        f"protect {config['protect']:.2%}",
+        "config": "lossless" if config is None else QuantConfig.from_dict(config).describe(),
         "degradation": header["degradation"],
         "weight_ratio": header["weight_bytes"] / max(weight_stored, 1),
         "total_ratio": (header["weight_bytes"] + header["extra_bytes"]) / container.size,

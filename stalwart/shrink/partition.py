@@ -1,14 +1,17 @@
 """Which elements of a parameter are pruned, protected or quantized, and with how many levels.
 
-A :class:`QuantConfig` is one point of the paper's search space (Table 2). Layer types matter in
-one place: embeddings are looked up, not summed over, so each row's error reaches the output
-undiluted; they never get fewer than 16 levels.
+A :class:`QuantConfig` is one point of the paper's search space (Table 2), extended by the
+spec's per-layer-type partition: a layer type (Linear, Conv, Attention, Embedding, other) may
+override the bin count, so the search can quantize a tolerant type more coarsely than a sensitive
+one. Embeddings are looked up, not summed over, so each row's error reaches the output undiluted;
+they never get fewer than 16 levels.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -39,16 +42,36 @@ class QuantConfig:
         prune_metric: ``"magnitude"`` (|w|) or ``"sensitivity"`` (|g * w|, needs gradients).
         protect: fraction kept as bfloat16: the top by magnitude and (with gradients)
             by sensitivity.
+        type_bins: per-layer-type bin counts that replace ``bins`` for that type, as a mapping
+            or pairs (stored as sorted pairs; an override equal to ``bins`` is dropped).
+
+    Example::
+
+        config = QuantConfig(bins=12, type_bins={"attention": 8})
+        config.bins_for("attention"), config.bins_for("linear")  # (8, 12)
     """
 
     bins: int = 16
     prune: float = 0.0
     prune_metric: str = "magnitude"
     protect: float = 0.005
+    type_bins: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not 2 <= self.bins <= MAX_BINS:
             raise ConfigurationError(f"bins must be in [2, {MAX_BINS}], got {self.bins}")
+        overrides = dict(self.type_bins)
+        for layer_type, bins in overrides.items():
+            if layer_type not in LAYER_TYPES or not isinstance(bins, int):
+                raise ConfigurationError(
+                    f"type_bins maps a layer type in {LAYER_TYPES} to a bin count, got "
+                    f"{layer_type!r}: {bins!r}"
+                )
+            if not 2 <= bins <= MAX_BINS:
+                raise ConfigurationError(f"bins must be in [2, {MAX_BINS}], got {bins}")
+        # One canonical form, so equal configurations compare (and memoize) equal.
+        canonical = tuple(sorted((t, b) for t, b in overrides.items() if b != self.bins))
+        object.__setattr__(self, "type_bins", canonical)
         if not 0.0 <= self.prune < 1.0 or not 0.0 <= self.protect < 1.0:
             raise ConfigurationError(
                 f"prune and protect are fractions in [0, 1), got {self.prune}, {self.protect}"
@@ -61,23 +84,52 @@ class QuantConfig:
             )
 
     def bins_for(self, layer_type: str) -> int:
+        bins = dict(self.type_bins).get(layer_type, self.bins)
         if layer_type == "embedding":
-            return max(self.bins, EMBEDDING_BIN_CHOICES[0])
-        return self.bins
+            return max(bins, EMBEDDING_BIN_CHOICES[0])
+        return bins
 
-    def estimated_bits(self) -> float:
-        """Bits per element before entropy coding; orders candidates by expected ratio."""
+    def with_type_bins(self, layer_type: str, bins: int) -> QuantConfig:
+        """This configuration with ``layer_type`` quantized to ``bins`` levels."""
+        return replace(self, type_bins=(*self.type_bins, (layer_type, bins)))
+
+    def estimated_bits(self, shares: Mapping[str, float] | None = None) -> float:
+        """Bits per element before entropy coding; orders candidates by expected ratio.
+        ``shares``: fraction of the quantized elements per layer type (default: all ``bins``)."""
         quantized = 1.0 - self.prune - self.protect
-        return quantized * math.log2(self.bins + 2) + self.prune + self.protect * 17.0
+        if shares:
+            index_bits = sum(share * math.log2(self.bins_for(t) + 2) for t, share in shares.items())
+        else:
+            index_bits = math.log2(self.bins + 2)
+        return quantized * index_bits + self.prune + self.protect * 17.0
 
     def at_most_as_aggressive_as(self, other: QuantConfig) -> bool:
-        """True when every dimension keeps at least as much precision as ``other`` does."""
+        """True when every dimension, for every layer type, keeps at least as much precision as
+        ``other`` does."""
         return (
-            self.bins >= other.bins and self.prune <= other.prune and self.protect >= other.protect
+            all(self.bins_for(t) >= other.bins_for(t) for t in LAYER_TYPES)
+            and self.prune <= other.prune
+            and self.protect >= other.protect
+        )
+
+    def describe(self) -> str:
+        """E.g. ``"12 bins (attention 8), prune 0% by magnitude, protect 0.50%"``."""
+        overrides = ", ".join(f"{t} {b}" for t, b in self.type_bins)
+        return (
+            f"{self.bins} bins{f' ({overrides})' if overrides else ''}, prune {self.prune:.0%} "
+            f"by {self.prune_metric}, protect {self.protect:.2%}"
         )
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = {
+            "bins": self.bins,
+            "prune": self.prune,
+            "prune_metric": self.prune_metric,
+            "protect": self.protect,
+        }
+        if self.type_bins:  # absent otherwise: such a config reads as before (file format 1)
+            data["type_bins"] = dict(self.type_bins)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> QuantConfig:

@@ -7,6 +7,7 @@ import torch
 
 import stalwart.shrink as shrink
 from stalwart.errors import ConfigurationError, CorruptCheckpointError
+from stalwart.shrink.container import SectionWriter, read_container
 
 
 def _chain(tmp_path, n=3):
@@ -84,6 +85,7 @@ def test_not_a_shrunken_file(tmp_path):
         {"tau": -0.1},
         {"coder": "lzma"},
         {"config": "16 bins"},
+        {"small_tensors": "float8"},
     ],
 )
 def test_bad_arguments(tmp_path, kwargs):
@@ -98,3 +100,20 @@ def test_bad_arguments(tmp_path, kwargs):
 def test_bad_configs(config):
     with pytest.raises(ConfigurationError):
         shrink.QuantConfig(**config)
+
+
+def test_an_entry_encoding_this_version_does_not_know_is_refused(tmp_path):
+    # A newer writer's encoding must never be read as a lossless tensor of the wrong size.
+    path = tmp_path / "newer.shrunk"
+    shrink.save({"w": torch.randn(2000), "b": torch.randn(8)}, path)
+    container = read_container(path)
+    header = dict(container.header)
+    header["tensors"] = {
+        name: {**entry, "encoding": "float8"} if entry["encoding"] == "bfloat16" else entry
+        for name, entry in header["tensors"].items()
+    }
+    sections = SectionWriter()
+    sections.add(bytes(container._body))  # the same sections at the same addresses
+    sections.write(path, header)
+    with pytest.raises(CorruptCheckpointError, match="newer.shrunk.*unknown tensor encoding"):
+        shrink.load(path)

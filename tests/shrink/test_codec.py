@@ -1,5 +1,7 @@
 """The lossless layer: index deltas, run lengths, entropy coders, byte-shuffled tensors."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -7,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stalwart.shrink as shrink
-from stalwart.shrink.codec import decode_lossless, encode_lossless
+from stalwart.shrink.codec import decode_chain, decode_lossless, encode_lossless
+from stalwart.shrink.container import read_container
 from stalwart.shrink.delta import (
     delta_indices,
     run_length_decode,
@@ -15,9 +18,13 @@ from stalwart.shrink.delta import (
     undelta_indices,
 )
 from stalwart.shrink.entropy import decode_stream, encode_stream
+from stalwart.shrink.partition import QuantConfig
 from stalwart.shrink.quantize import PROTECTED, PRUNED
 
 alphabets = st.integers(min_value=3, max_value=128)  # up to MAX_BINS + 2
+# A keyframe (8 bins, 10% pruned) and a delta (12 bins) written by the format-1 stalwart (b04b595),
+# with what that version decoded them to.
+FORMAT_1_CHAIN = Path(__file__).parent / "data" / "format1"
 
 
 @st.composite
@@ -111,5 +118,52 @@ def test_chain_decodes_each_checkpoint_to_its_own_quantization(tmp_path):
             # Protected values come back exactly as bf16(w).
             original = weights[name].reshape(-1)
             assert torch.equal(got[protected], original[protected].to(torch.bfloat16).float())
-        assert torch.equal(loaded["bias"], weights["bias"])  # small tensors: lossless
+        # Small float32 tensors: exactly bf16(w), like protected values.
+        assert torch.equal(loaded["bias"], weights["bias"].to(torch.bfloat16).float())
     assert report.kind == "delta" and report.chain_position == 3
+
+
+def test_small_tensors_are_rounded_or_exact_and_the_file_says_which_format(tmp_path):
+    torch.manual_seed(0)
+    weights = {
+        "w": torch.randn(64, 64),
+        "bias": torch.randn(7),
+        "steps": torch.tensor(12),
+        "scale": torch.randn(3, dtype=torch.float64),
+    }
+    rounded = shrink.save(weights, tmp_path / "rounded.shrunk")
+    exact = shrink.save(weights, tmp_path / "exact.shrunk", small_tensors="lossless")
+    loaded = shrink.load(rounded.path)
+    assert loaded["bias"].dtype == torch.float32
+    assert torch.equal(loaded["bias"], weights["bias"].to(torch.bfloat16).float())
+    # Only float32 is rounded: integer and float64 tensors come back bit-exact.
+    assert torch.equal(loaded["steps"], weights["steps"])
+    assert torch.equal(loaded["scale"], weights["scale"])
+    assert torch.equal(shrink.load(exact.path)["bias"], weights["bias"])
+    assert exact.weight_stored > rounded.weight_stored
+    # A file declares the oldest format that reads it: the bfloat16 encoding needs format 2, a
+    # file without it stays format 1 (readable by a stalwart that knows only format 1).
+    for report, version in ((rounded, 2), (exact, 1)):
+        container = read_container(report.path)
+        assert container.header["format"] == version
+        assert Path(report.path).read_bytes()[8:10] == version.to_bytes(2, "little")
+
+
+def test_a_chain_written_in_format_1_still_loads_and_can_be_extended(tmp_path):
+    expected = torch.load(FORMAT_1_CHAIN / "decoded.pt")
+    for name, tensors in expected.items():
+        assert (FORMAT_1_CHAIN / name).read_bytes()[8:10] == (1).to_bytes(2, "little")
+        loaded = shrink.load(FORMAT_1_CHAIN / name)
+        assert list(loaded) == list(tensors)
+        assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    assert decode_chain(FORMAT_1_CHAIN / "1.shrunk")[2].config == QuantConfig(12, 0.0, protect=0.01)
+    for name in ("0.shrunk", "1.shrunk"):
+        (tmp_path / name).write_bytes((FORMAT_1_CHAIN / name).read_bytes())
+    weights = expected["1.shrunk"]
+    config = QuantConfig(bins=12, protect=0.01, type_bins={"linear": 8})
+    previous = tmp_path / "1.shrunk"
+    report = shrink.save(weights, tmp_path / "2.shrunk", previous=previous, config=config)
+    assert report.kind == "delta" and report.chain_position == 2
+    loaded = shrink.load(report.path)
+    assert torch.equal(loaded["steps"], weights["steps"])
+    assert loaded["layer.weight"].unique().numel() <= 8 + 1 + int(0.02 * 2048)

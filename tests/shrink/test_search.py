@@ -70,6 +70,28 @@ def test_nothing_qualifies_stores_losslessly(tmp_path):
     assert all(torch.equal(loaded[k], exact[k]) for k in exact)
 
 
+def test_the_bound_covers_the_small_tensors_rounded_to_bfloat16(tmp_path):
+    # A loss that bfloat16 rounding of the biases alone pushes past tau: no configuration may
+    # qualify, so everything is stored exactly. (If candidates were scored with exact biases,
+    # a quantization would be chosen and the written biases would break the bound.)
+    model, x, y = _model_and_data()
+    state = model.state_dict()
+    biases = {k: v.clone() for k, v in state.items() if k.endswith("bias")}
+
+    def bias_sensitive(candidate):
+        return 1.0 + 10 * sum(float((candidate[k] - v).abs().sum()) for k, v in biases.items())
+
+    report = shrink.save(state, tmp_path / "x.shrunk", evaluate=bias_sensitive, tau=0.05)
+    assert report.config is None
+    loaded = shrink.load(report.path)
+    assert all(torch.equal(loaded[k], v) for k, v in biases.items())
+    # With the biases stored exactly, the same bound admits a quantization of the weights.
+    exact = shrink.save(
+        state, tmp_path / "y.shrunk", evaluate=bias_sensitive, tau=0.05, small_tensors="lossless"
+    )
+    assert exact.config is not None and exact.degradation <= 0.05
+
+
 def test_fixed_config_skips_search(tmp_path):
     model, _, _ = _model_and_data()
     config = QuantConfig(bins=6, prune=0.3, protect=0.0005)
