@@ -27,44 +27,27 @@ def point_weights(
 
 
 def assign_sorted(points: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest of the ascending ``centroids`` for each point (ties go down).
-    With ``centroids`` of shape (starts, k), one row of indices per start."""
-    midpoints = (centroids[..., 1:] + centroids[..., :-1]) / 2
-    if midpoints.dim() > 1:
-        points = points.expand(*midpoints.shape[:-1], -1)
+    """Index of the nearest of the ascending ``centroids`` for each point (ties go down)."""
+    midpoints = (centroids[1:] + centroids[:-1]) / 2
     return torch.searchsorted(midpoints, points.contiguous(), right=False)
 
 
 def _plus_plus_init(
-    points: torch.Tensor, weights: torch.Tensor, k: int, starts: int, generator: torch.Generator
+    points: torch.Tensor, weights: torch.Tensor, k: int, generator: torch.Generator
 ) -> torch.Tensor:
-    """``starts`` independent weighted k-means++ starts, one per row, ascending: each new centre
-    drawn with probability ~ weight * distance^2 to the nearest chosen one. A loop over k (<= a
-    few dozen), vectorised over the points and the starts."""
-    first = _draw(weights.expand(starts, -1), generator)
-    centres = [points[first]]  # each (starts, 1)
+    # Weighted k-means++: each new centre drawn with probability ~ weight * distance^2 to the
+    # nearest chosen one. A loop over k (<= a few dozen), vectorised over the points.
+    first = torch.multinomial(weights, 1, generator=generator)
+    centres = [points[first]]
     nearest = (points - centres[0]).square()
     for _ in range(1, k):
         mass = weights * nearest
-        # A start whose weighted points are all centres already (zero-weight points left) draws
-        # among the remaining distinct points instead: every row needs k centres, and Lloyd
-        # keeps an empty cluster's centre where it is.
-        exhausted = mass.sum(1, keepdim=True) <= 0
-        mass = torch.where(exhausted, (nearest > 0).double(), mass)
-        centres.append(points[_draw(mass, generator)])
+        if float(mass.sum()) <= 0:
+            break
+        pick = torch.multinomial(mass, 1, generator=generator)
+        centres.append(points[pick])
         nearest = torch.minimum(nearest, (points - centres[-1]).square())
-    return torch.sort(torch.cat(centres, dim=1), dim=1).values
-
-
-def _draw(mass: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One index per row with probability ~ ``mass`` (inverse CDF: a cumulative sum and a
-    binary search, ~3x cheaper than ``torch.multinomial`` on a few thousand points)."""
-    cumulative = torch.cumsum(mass, dim=1)
-    target = torch.rand(mass.shape[0], 1, generator=generator, dtype=mass.dtype)
-    target = target * cumulative[:, -1:]
-    # right=True: a zero-mass point (equal cumulative sum to its left neighbour) is never drawn.
-    index = torch.searchsorted(cumulative, target, right=True)
-    return index.clamp_max(mass.shape[1] - 1)
+    return torch.sort(torch.cat(centres)).values
 
 
 def weighted_kmeans_1d(
@@ -99,33 +82,33 @@ def weighted_kmeans_1d(
         # elements whose weights barely moved keep their index and the delta stays zero.
         return _lloyd(points, weights, torch.sort(init.double().reshape(-1)).values, iterations)
     generator = torch.Generator().manual_seed(seed)
-    starts = _plus_plus_init(points, weights.clamp_min(0), k, max(1, restarts), generator)
-    # All starts run side by side (one batched Lloyd): the restarts cost about one start's
-    # Python and dispatch overhead, which is what dominates on a few thousand points.
-    centroids = _lloyd(points, weights, starts, iterations)
-    error = points - torch.gather(centroids, 1, assign_sorted(points, centroids))
-    inertia = (weights * error.square()).sum(1)
-    return centroids[int(torch.argmin(inertia))]  # the first of equal minima, as in n_init
+    best, best_inertia = None, float("inf")
+    for _ in range(max(1, restarts)):
+        start = _plus_plus_init(points, weights.clamp_min(0), k, generator)
+        centroids = _lloyd(points, weights, start, iterations)
+        inertia = float(
+            (weights * (points - centroids[assign_sorted(points, centroids)]).square()).sum()
+        )
+        if inertia < best_inertia:
+            best, best_inertia = centroids, inertia
+    return best
 
 
 def _lloyd(
     points: torch.Tensor, weights: torch.Tensor, centroids: torch.Tensor, iterations: int
 ) -> torch.Tensor:
-    """Lloyd iterations from ascending ``centroids``: shape (k,), or (starts, k) for starts run
-    side by side (a start that has converged stays where it is while the others go on)."""
-    batched = centroids.dim() > 1
-    centroids = centroids if batched else centroids[None]
-    weights = weights.expand(centroids.shape[0], -1)
     membership = None
     for _ in range(iterations):
         new_membership = assign_sorted(points, centroids)
         if membership is not None and torch.equal(new_membership, membership):
             break
         membership = new_membership
-        mass = torch.zeros_like(centroids).scatter_add_(1, membership, weights)
-        moment = torch.zeros_like(centroids).scatter_add_(1, membership, weights * points)
+        mass = torch.zeros(centroids.numel(), dtype=torch.float64)
+        moment = torch.zeros_like(mass)
+        mass.index_add_(0, membership, weights)
+        moment.index_add_(0, membership, weights * points)
         occupied = mass > 0
         # An empty cluster keeps its centre; Lloyd cannot move it and dropping it loses a level.
         centroids = torch.where(occupied, moment / mass.clamp_min(1e-300), centroids)
-        centroids = torch.sort(centroids, dim=1).values
-    return centroids if batched else centroids[0]
+        centroids = torch.sort(centroids).values
+    return centroids
