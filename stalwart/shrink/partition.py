@@ -136,6 +136,11 @@ class QuantConfig:
         return cls(**data)
 
 
+def bin_choices_for(layer_type: str) -> tuple[int, ...]:
+    """The bin counts the search may give ``layer_type`` (embeddings: at least 16)."""
+    return EMBEDDING_BIN_CHOICES if layer_type == "embedding" else BIN_CHOICES
+
+
 def layer_type_of_module(module: nn.Module) -> str:
     """The layer type of a module, by class (the callback knows the modules)."""
     if isinstance(module, nn.Embedding | nn.EmbeddingBag):

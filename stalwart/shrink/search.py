@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -31,10 +32,10 @@ import torch
 
 from stalwart.shrink.partition import (
     BIN_CHOICES,
-    EMBEDDING_BIN_CHOICES,
     PROTECT_CHOICES,
     PRUNE_CHOICES,
     QuantConfig,
+    bin_choices_for,
 )
 from stalwart.shrink.quantize import QuantizedTensor, TensorAnalysis
 
@@ -138,9 +139,8 @@ class ConfigSearch:
         # A tensor's quantization depends only on its own effective setting: candidates that
         # differ in another layer type's bins share it.
         tensors: dict[tuple, QuantizedTensor] = {}
-        elements: dict[str, int] = {}
+        elements: Counter[str] = Counter()
         for analysis in analyses.values():
-            elements[analysis.layer_type] = elements.get(analysis.layer_type, 0)
             elements[analysis.layer_type] += analysis.values.numel()
         shares = {t: n / max(sum(elements.values()), 1) for t, n in elements.items()}
         references: dict[str, float] = {}
@@ -178,6 +178,12 @@ class ConfigSearch:
                 quantized[name] = tensors[key]
             return quantized
 
+        def confirmed(record: Trial) -> Trial:
+            """``record`` scored on the full batches (a screened one is scored now)."""
+            if not record.confirmed:
+                measure(record.config, cache[record.config][1], True)
+            return cache[record.config][0]
+
         def trial(config: QuantConfig) -> Trial:
             if config not in cache:
                 measure(config, quantize(config), False)
@@ -196,15 +202,10 @@ class ConfigSearch:
                 break
             # The screen's answer, scored on the full batches. A failure is remembered as
             # infeasible, so the next pass of the (memoized) search moves past it.
-            measure(chosen.config, cache[chosen.config][1], True)
-            if cache[chosen.config][0].feasible:
-                chosen = cache[chosen.config][0]
+            if (chosen := confirmed(chosen)).feasible:
                 break
         if chosen is not None and self.per_type and chosen.config != self.previous:
-            refined = self._refine(chosen, shares, trial, ceiling=self.previous)
-            if not refined.confirmed:
-                measure(refined.config, cache[refined.config][1], True)
-                refined = cache[refined.config][0]
+            refined = confirmed(self._refine(chosen, shares, trial, ceiling=self.previous))
             if refined.feasible:  # else keep the shared choice, confirmed already
                 chosen = refined
         trials = [record for record, _ in cache.values()]
@@ -232,7 +233,7 @@ class ConfigSearch:
         stays feasible, within the ceiling, and smaller than the best so far."""
         best = start
         for layer_type in sorted(shares, key=shares.__getitem__, reverse=True):
-            choices = EMBEDDING_BIN_CHOICES if layer_type == "embedding" else BIN_CHOICES
+            choices = bin_choices_for(layer_type)
             while True:
                 fewer = [b for b in choices if b < best.config.bins_for(layer_type)]
                 if not fewer:
@@ -274,8 +275,7 @@ class ConfigSearch:
                 replace(base, protect=PROTECT_CHOICES[PROTECT_CHOICES.index(base.protect) + 1])
             )
         for layer_type, bins in base.type_bins:  # one step more precise for one type alone
-            choices = EMBEDDING_BIN_CHOICES if layer_type == "embedding" else BIN_CHOICES
-            more = [b for b in choices if b > bins]
+            more = [b for b in bin_choices_for(layer_type) if b > bins]
             if more:
                 candidates.add(base.with_type_bins(layer_type, more[0]))
         for config in sorted(candidates, key=lambda candidate: candidate.estimated_bits(shares)):
