@@ -132,7 +132,8 @@ class Worker:
         self.pending: list = []
         self.clock: dict[str, list] = {}
         self._program: tuple[object, list[Instruction]] = (None, [])
-        self._runq = ThreadClock()
+        # A schedstat read per op costs a system call: only when the profile is published.
+        self._runq = ThreadClock(enabled=self.job.profile)
         self._timer_start = (time.perf_counter(), time.thread_time(), self._runq.read()[1])
 
     # ----------------------------------------------------------------- model state

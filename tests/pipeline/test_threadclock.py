@@ -63,3 +63,10 @@ def test_without_schedstat_it_reads_zero(monkeypatch):
 
     monkeypatch.setattr(os, "open", refuse)
     assert ThreadClock().read() == (0.0, 0.0)
+
+
+@linux_only
+def test_a_disabled_clock_reads_zero_and_opens_nothing():
+    spin(0.01)  # this thread has run: an enabled clock would read > 0
+    assert ThreadClock().read()[0] > 0.0
+    assert ThreadClock(enabled=False).read() == (0.0, 0.0)
