@@ -47,7 +47,7 @@ def codec(params: int, coders: list[str], threads: int) -> None:
     # The next checkpoint: a small step, as between two epochs late in training.
     moved = {k: v + 0.002 * torch.randn(v.shape, generator=generator) for k, v in weights.items()}
     print(f"codec: {params / 1e6:.0f}M fp32 parameters, config {CONFIG}, {threads} threads")
-    print(f"{'coder':8} {'kf enc s':>9} {'kf ratio':>9} {'delta enc s':>12} {'delta ratio':>12} "
+    print(f"{'coder':11} {'kf enc s':>9} {'kf ratio':>9} {'delta enc s':>12} {'delta ratio':>12} "
           f"{'kf dec s':>9} {'chain dec s':>12}")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for coder in coders:
@@ -65,7 +65,7 @@ def codec(params: int, coders: list[str], threads: int) -> None:
             start = time.perf_counter()
             shrink.load(delta.path)  # decodes the keyframe, then the delta
             chain_dec = time.perf_counter() - start
-            print(f"{coder:8} {key_s:9.1f} {key.ratio:8.1f}x {delta_s:12.1f} {delta.ratio:11.1f}x "
+            print(f"{coder:11} {key_s:9.1f} {key.ratio:8.1f}x {delta_s:12.1f} {delta.ratio:11.1f}x "
                   f"{key_dec:9.1f} {chain_dec:12.1f}", flush=True)  # fmt: skip
 
 
@@ -164,7 +164,7 @@ def overhead(seconds_per_checkpoint: float, checkpoints: int, calibration_steps:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=100_000_000)
-    parser.add_argument("--coders", default="auto,ans,zstd,huffman")
+    parser.add_argument("--coders", default="auto,ans-grouped,ans,zstd,huffman")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--checkpoints", type=int, default=10)
     parser.add_argument("--seconds-per-checkpoint", type=float, default=60.0)

@@ -97,8 +97,9 @@ class Shrink(Algorithm):
         grad_window: batches at the end of each epoch whose gradients feed the EMA
             (0 = magnitude only).
         grad_beta: weight of the newest gradient in the EMA.
-        coder: entropy coder of the index streams: ``"auto"`` (default: the smaller of rANS
-            and run lengths + zstd per stream), ``"ans"``, ``"zstd"`` or ``"huffman"``.
+        coder: entropy coder of the index streams: ``"auto"`` (default: per stream the
+            smallest of rANS per previous level, rANS, and run lengths + zstd), ``"ans-grouped"``,
+            ``"ans"``, ``"zstd"`` or ``"huffman"``.
 
     Example::
 

@@ -50,8 +50,9 @@ class ShrinkCheckpoint(ModelCheckpoint):
             ``training_step`` over the first ``eval_batches`` validation batches, in eval mode.
         grad_window: batches before each save whose gradients feed the EMA (0 = magnitude only).
         grad_beta: weight of the newest gradient in the EMA.
-        coder: entropy coder of the index streams: ``"auto"`` (default: the smaller of rANS
-            and run lengths + zstd per stream), ``"ans"``, ``"zstd"`` or ``"huffman"``.
+        coder: entropy coder of the index streams: ``"auto"`` (default: per stream the
+            smallest of rANS per previous level, rANS, and run lengths + zstd), ``"ans-grouped"``,
+            ``"ans"``, ``"zstd"`` or ``"huffman"``.
         save_top_k: as in ``ModelCheckpoint``; default -1 (keep all: deltas are small).
         **kwargs: any other ``ModelCheckpoint`` argument (``filename``, ``monitor``...).
 

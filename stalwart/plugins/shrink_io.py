@@ -36,8 +36,9 @@ class ShrinkCheckpointIO(CheckpointIO):
         keyframe_every: a full (non-delta) checkpoint every this many saves; bounds restore time
             and how much one lost file costs.
         compress_optimizer: ``"lossless"`` (default) or ``"lossy"`` (quantized, no delta).
-        coder: entropy coder of the index streams: ``"auto"`` (default: the smaller of rANS
-            and run lengths + zstd per stream), ``"ans"``, ``"zstd"`` or ``"huffman"``.
+        coder: entropy coder of the index streams: ``"auto"`` (default: per stream the
+            smallest of rANS per previous level, rANS, and run lengths + zstd), ``"ans-grouped"``,
+            ``"ans"``, ``"zstd"`` or ``"huffman"``.
         delegate: the IO that plain (non-shrunken) checkpoints are read with and, when set, the
             one that saves without a :class:`ShrinkRequest` go to.
 

@@ -143,9 +143,10 @@ def save(
         layer_types: name -> layer type (see :mod:`stalwart.shrink.partition`); guessed if None.
         extra: any other object to store losslessly (e.g. the rest of a Lightning checkpoint).
         lossy_extra: quantize floating tensors in ``extra`` too (no delta).
-        coder: entropy coder of the index streams: ``"auto"`` (default: per stream the smaller
-            of rANS and run lengths + zstd, measured: neither wins everywhere), ``"ans"``,
-            ``"zstd"`` or ``"huffman"`` (the paper's).
+        coder: entropy coder of the index streams: ``"auto"`` (default: per stream the smallest
+            of rANS per previous level, rANS, and run lengths + zstd; measured: none wins
+            everywhere), ``"ans-grouped"`` (rANS per previous level), ``"ans"``, ``"zstd"`` or
+            ``"huffman"`` (the paper's).
         min_numel: tensors with fewer elements (biases, norms) are not quantized.
         small_tensors: how those are stored when float32: ``"bfloat16"`` (default; rounded, at
             the precision of the protected weights, inside the bound tau like everything else:

@@ -46,8 +46,9 @@ class ChainWriter:
         config: fixed :class:`~stalwart.shrink.QuantConfig` for saves without a search.
         keyframe_every: a full (non-delta) checkpoint every this many saves.
         compress_optimizer: ``"lossless"`` (default) or ``"lossy"`` for ``extra``'s tensors.
-        coder: entropy coder of the index streams: ``"auto"`` (default: the smaller of rANS
-            and run lengths + zstd per stream), ``"ans"``, ``"zstd"`` or ``"huffman"``.
+        coder: entropy coder of the index streams: ``"auto"`` (default: per stream the
+            smallest of rANS per previous level, rANS, and run lengths + zstd), ``"ans-grouped"``,
+            ``"ans"``, ``"zstd"`` or ``"huffman"``.
 
     Example::
 

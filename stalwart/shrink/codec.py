@@ -30,6 +30,7 @@ from stalwart.shrink.delta import (
 )
 from stalwart.shrink.entropy import (
     DEFAULT_CODER,
+    GROUPED_CODERS,
     decode_stream,
     encode_stream,
     zstd_compress,
@@ -69,13 +70,21 @@ def decode_lossless(blob: bytes, dtype: torch.dtype, shape: list[int]) -> torch.
 # The oldest file format that can read each entry encoding. A file declares the oldest format
 # that reads all of it, so a stalwart too old for one of its parts refuses the file instead of
 # misreading it. Format 2 added bfloat16 entries and per-layer-type bin counts in the config.
+# Format 3 added the grouped rANS coder of index streams.
 ENCODING_FORMATS = {"lossless": 1, "quantized": 1, "bfloat16": 2}
+CODER_FORMATS = {"ans-grouped": 3}
 
 
 def format_version(entries: Mapping[str, dict], config: QuantConfig | None) -> int:
     """The file format a table of entries and a configuration need."""
     version = 2 if config is not None and config.type_bins else 1
-    return max([version, *(ENCODING_FORMATS[entry["encoding"]] for entry in entries.values())])
+    return max(
+        [
+            version,
+            *(ENCODING_FORMATS[entry["encoding"]] for entry in entries.values()),
+            *(CODER_FORMATS.get(entry.get("coder"), 1) for entry in entries.values()),
+        ]
+    )
 
 
 def bfloat16_entry(tensor: torch.Tensor, sections: SectionWriter) -> dict:
@@ -110,26 +119,40 @@ def quantized_entry(
     # Run-length coding pays off on long runs: deltas (mostly zero), not a keyframe's indices
     # when they change value more often than every fourth element.
     runs = not keyframe or np.count_nonzero(deltas[1:] != deltas[:-1]) <= deltas.size // 4
+    # Delta streams are ordered by the previous level; a grouped coder codes each level's group
+    # under its own frequencies (the decoder counts the groups from the previous indices itself).
+    if keyframe:
+        groups = np.array([deltas.size])
+    else:
+        groups = np.bincount(previous[0].numpy(), minlength=alphabet)
     if coder == "auto":
-        # Measured, neither wins everywhere: rANS codes a delta at its zero-order entropy (char
-        # transformer: 0.89 bits/element vs 1.30 for run lengths + zstd), while run lengths + zstd
-        # also exploit runs of equal non-zero deltas, as when the bin count changes and a whole
-        # group of the previous level shifts alike (digits CNN: 28.0x cumulative vs 19.7x).
-        options = [("ans", False)] + ([("zstd", True)] if runs else [])
+        # Measured, none wins everywhere: rANS per previous level codes a delta at its conditional
+        # entropy (char transformer: 9% below one distribution per tensor, which still wins on
+        # small tensors, where the per-level tables cost more than they save), while run lengths +
+        # zstd also exploit runs of equal non-zero deltas, as when the bin count changes and a
+        # whole group of the previous level shifts alike (digits CNN: 28.0x cumulative vs 19.7x).
+        options = [("ans-grouped", False)] + ([] if keyframe else [("ans", False)])
+        options += [("zstd", True)] if runs else []
         if keyframe:
             options.append(("zstd", False))
-    elif coder == "ans":
-        options = [("ans", False)]
+    elif coder in ("ans", "ans-grouped"):
+        options = [(coder, False)]
     else:
         options = ([(coder, True)] if runs else []) + ([(coder, False)] if keyframe else [])
     encoded = []
     for option_coder, run_length in options:
         symbols = run_length_encode(deltas) if run_length else deltas.view(np.int8)
-        encoded.append(
-            (len(blob := encode_stream(symbols, option_coder)), blob, option_coder, run_length)
-        )
-    _, stream, stream_coder, run_length = min(encoded, key=lambda option: option[0])
+        blob = encode_stream(symbols, option_coder, groups)
+        encoded.append((len(blob), blob, option_coder, run_length, None))
+    if keyframe and coder in ("auto", "ans-grouped"):
+        rows = split_constant_rows(deltas, quantized.shape)
+        if rows is not None:
+            side, rest = rows
+            blob = encode_stream(rest.view(np.int8), "ans-grouped")
+            encoded.append((len(blob) + len(side), blob, "ans-grouped", False, side))
+    _, stream, stream_coder, run_length, side = min(encoded, key=lambda option: option[0])
     return {
+        **({} if side is None else {"constant_rows": sections.add(side)}),
         "encoding": "quantized",
         "dtype": dtype_name(quantized.dtype),
         "shape": list(quantized.shape),
@@ -145,6 +168,53 @@ def quantized_entry(
     }
 
 
+def split_constant_rows(
+    indices: np.ndarray, shape: tuple[int, ...]
+) -> tuple[bytes, np.ndarray] | None:
+    """(side section, the other rows' indices) when some rows of a matrix are one index throughout.
+
+    Whole rows pruned is what dead units look like (a ReLU unit that never fires has no gradient,
+    so sensitivity pruning removes its row): 20% of the digits CNN's hidden layer at its second
+    keyframe. A zero-order coder pays ~4 bits for each of their elements; stored as a row mask and
+    one index per row they cost a bit per row. (In a delta such a row is zeros anyway.)
+    """
+    if len(shape) < 2 or shape[0] < 2 or indices.size == 0:
+        return None
+    rows = indices.reshape(shape[0], -1)
+    constant = (rows == rows[:, :1]).all(axis=1)
+    if not constant.any():
+        return None
+    side = zstd_compress(np.packbits(constant).tobytes() + rows[constant, 0].tobytes())
+    return side, np.ascontiguousarray(rows[~constant]).reshape(-1)
+
+
+def constant_rows_of(side: bytes, shape: list[int], path: Path) -> tuple[int, int, np.ndarray]:
+    """(rows, row width, constant-row mask) from a :func:`split_constant_rows` side section."""
+    raw = np.frombuffer(zstd_decompress(side), np.uint8)
+    rows = int(shape[0]) if shape else 0
+    mask_bytes = (rows + 7) // 8
+    constant = np.unpackbits(raw[:mask_bytes], count=rows).astype(bool) if rows else raw[:0]
+    if len(shape) < 2 or raw.size != mask_bytes + int(constant.sum()):
+        raise CorruptCheckpointError(f"{path}: a constant-rows section does not match its tensor")
+    return rows, int(np.prod(shape[1:], dtype=np.int64)), constant
+
+
+def join_constant_rows(
+    side: bytes, constant: np.ndarray, rest: np.ndarray, width: int
+) -> np.ndarray:
+    """Inverse of :func:`split_constant_rows`: the full index matrix, flat."""
+    values = np.frombuffer(zstd_decompress(side), np.uint8)[(constant.size + 7) // 8 :]
+    if rest.size != int((~constant).sum()) * width:
+        raise CorruptCheckpointError(
+            f"a tensor stream decodes to {rest.size} values, its non-constant rows hold "
+            f"{int((~constant).sum()) * width}"
+        )
+    out = np.empty((constant.size, width), dtype=np.uint8)
+    out[constant] = values[:, None]
+    out[~constant] = rest.reshape(-1, width)
+    return out.reshape(-1)
+
+
 def decode_quantized(
     container: Container, entry: dict, previous: torch.Tensor | None, coder: str
 ) -> QuantizedTensor:
@@ -154,8 +224,23 @@ def decode_quantized(
         raise CorruptCheckpointError(
             f"{container.path}: a tensor is delta-coded but its base holds no indices for it"
         )
-    stream = decode_stream(container.section(entry["stream"]), entry.get("coder", coder))
+    stream_coder = entry.get("coder", coder)
+    groups = None
+    if stream_coder in GROUPED_CODERS:
+        groups = (
+            np.array([numel])
+            if delta_alphabet is None
+            else np.bincount(previous.numpy(), minlength=delta_alphabet)
+        )
+    side = entry.get("constant_rows")
+    if side is not None:
+        side = container.section(side)
+        rows, width, constant = constant_rows_of(side, entry["shape"], container.path)
+        groups = np.array([(rows - int(constant.sum())) * width])
+    stream = decode_stream(container.section(entry["stream"]), stream_coder, groups)
     deltas = run_length_decode(stream) if entry.get("run_length", True) else stream.view(np.uint8)
+    if side is not None:
+        deltas = join_constant_rows(side, constant, deltas, width)
     if deltas.size != numel:
         raise CorruptCheckpointError(
             f"{container.path}: a tensor stream decodes to {deltas.size} values, expected {numel}"
@@ -327,7 +412,7 @@ def decode_chain(path: str | Path) -> tuple[Container, dict[str, torch.Tensor], 
 def entries_bytes(entries: Mapping[str, dict]) -> int:
     total = 0
     for entry in entries.values():
-        for key in ("data", "levels", "protected", "stream"):
+        for key in ("data", "levels", "protected", "stream", "constant_rows"):
             if key in entry:
                 total += entry[key][1]
     return total

@@ -7,9 +7,12 @@ readable; the file header names the coder a stream was written with.
 rANS (constriction's ``AnsCoder`` with a static categorical model whose counts the stream carries)
 codes a delta stream at its zero-order entropy: on the char transformer's deltas 0.89
 bits/element where run lengths + zstd take 1.30 and run lengths + Huffman 1.46. Run lengths + zstd
-win where equal non-zero deltas come in runs (a bin-count change). The default ``"auto"`` writes
-each stream with the smaller of the two; Huffman is kept for comparison (slowest, never smallest
-on deltas).
+win where equal non-zero deltas come in runs (a bin-count change). ``"ans-grouped"`` codes each
+group of a stream under its own frequencies — a delta stream's groups are the elements' previous
+levels — reaching H(delta | previous level): 6.6% fewer stream bytes than the smaller of the two
+on the char transformer's 18-checkpoint chain, 5.1% on the digits CNN's. The default ``"auto"``
+writes each stream with the smallest; Huffman is kept for comparison (slowest, never smallest on
+deltas).
 
 Huffman here is canonical, length-limited to 16 bits, encoded with numpy bit arithmetic and decoded
 block-parallel: the encoder records the bit offset of every block of symbols, and the decoder
@@ -200,6 +203,120 @@ def ans_decode(blob: bytes) -> np.ndarray:
     return present[ranks].view(np.int8)
 
 
+def _table_bytes(values: np.ndarray) -> bytes:
+    """Non-negative integers in the narrowest unsigned type that holds them, tagged by its width."""
+    width = next(w for w in (1, 2, 4, 8) if int(values.max(initial=0)) < 1 << (8 * w))
+    return bytes([width]) + values.astype(f"<u{width}").tobytes()
+
+
+def _read_table(blob: bytes, offset: int, count: int) -> tuple[np.ndarray, int]:
+    width = blob[offset]
+    if width not in (1, 2, 4, 8):
+        raise CorruptCheckpointError(f"a grouped ANS table has an invalid width {width}")
+    values = np.frombuffer(blob, dtype=f"<u{width}", count=count, offset=offset + 1)
+    return values.astype(np.int64), offset + 1 + width * count
+
+
+def grouped_ans_encode(stream: np.ndarray, groups: np.ndarray) -> bytes:
+    """rANS coding of a stream made of consecutive groups, each under its own frequencies.
+
+    A delta stream is ordered by the elements' previous level (``delta.delta_indices``), and how an
+    element moves depends on where it was: an element at the outermost level can only move inward,
+    and outer levels are wider. Coding each group under its own distribution reaches the
+    conditional entropy H(delta | previous level) instead of H(delta): on the char transformer's
+    deltas 9% fewer bits before the tables. ``groups`` (the group sizes) is not stored: the decoder
+    counts the previous levels itself. The tables (symbols and counts per group, the last count
+    implied by the group size) are zstd-compressed.
+    """
+    symbols = np.asarray(stream, dtype=np.int8).view(np.uint8)
+    groups = np.asarray(groups, dtype=np.int64)
+    if int(groups.sum()) != symbols.size:
+        raise ValueError(f"groups sum to {int(groups.sum())}, the stream has {symbols.size}")
+    header = struct.pack("<Q", symbols.size)
+    if symbols.size == 0:
+        return header
+    nonempty = np.flatnonzero(groups)
+    group_of = np.repeat(np.arange(groups.size), groups)
+    # One pass for every group's histogram: a joint bincount over (group, symbol).
+    joint = np.bincount(group_of * 256 + symbols, minlength=groups.size * 256)
+    joint = joint.reshape(groups.size, 256)[nonempty]
+    distinct = (joint > 0).sum(axis=1)
+    present_group, present_symbol = np.nonzero(joint)
+    counts = joint[present_group, present_symbol]
+    last_of_group = np.cumsum(distinct) - 1
+    table = b"".join(
+        [
+            (distinct - 1).astype(np.uint8).tobytes(),  # 1..256 distinct symbols per group
+            present_symbol.astype(np.uint8).tobytes(),
+            _table_bytes(np.delete(counts, last_of_group)),
+        ]
+    )
+    packed_table = zstd_compress(table)
+    rank = np.zeros_like(joint, dtype=np.int32)
+    rank[present_group, present_symbol] = np.arange(counts.size) - np.repeat(
+        last_of_group - distinct + 1, distinct
+    )
+    ends = np.cumsum(groups)
+    coder = constriction.stream.stack.AnsCoder()
+    # A stack: the group decoded first is encoded last. A loop over groups (<= 256), not symbols.
+    for position in range(nonempty.size - 1, -1, -1):
+        if distinct[position] < 2:
+            continue  # a constant group: its table says everything
+        group = nonempty[position]
+        segment = symbols[ends[group] - groups[group] : ends[group]]
+        first = last_of_group[position] - distinct[position] + 1
+        model = _ans_model(counts[first : last_of_group[position] + 1])
+        coder.encode_reverse(rank[position][segment], model)
+    words = coder.get_compressed().astype("<u4").tobytes()
+    return header + struct.pack("<I", len(packed_table)) + packed_table + words
+
+
+def grouped_ans_decode(blob: bytes, groups: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`grouped_ans_encode` (``groups``: the same group sizes)."""
+    groups = np.asarray(groups, dtype=np.int64)
+    try:
+        (n,) = struct.unpack_from("<Q", blob, 0)
+        if n != int(groups.sum()):
+            raise CorruptCheckpointError(
+                f"a grouped ANS section holds {n} symbols, its groups {int(groups.sum())}"
+            )
+        if n == 0:
+            return np.empty(0, dtype=np.int8)
+        (table_length,) = struct.unpack_from("<I", blob, 8)
+        table = zstd_decompress(blob[12 : 12 + table_length])
+        nonempty = np.flatnonzero(groups)
+        distinct = np.frombuffer(table, np.uint8, count=nonempty.size).astype(np.int64) + 1
+        total = int(distinct.sum())
+        present_symbol = np.frombuffer(table, np.uint8, count=total, offset=nonempty.size)
+        stored, _ = _read_table(table, nonempty.size + total, total - nonempty.size)
+        words = np.frombuffer(blob, dtype="<u4", offset=12 + table_length)
+    except (struct.error, ValueError, IndexError) as exc:
+        raise CorruptCheckpointError(f"a grouped ANS section is truncated: {exc}") from exc
+    last_of_group = np.cumsum(distinct) - 1
+    counts = np.zeros(total, dtype=np.int64)
+    counts[np.setdiff1d(np.arange(total), last_of_group)] = stored
+    first = last_of_group - distinct + 1
+    implied = groups[nonempty] - np.add.reduceat(counts, first)
+    if (implied <= 0).any():
+        raise CorruptCheckpointError("a grouped ANS section's tables do not match its groups")
+    counts[last_of_group] = implied
+    out = np.empty(n, dtype=np.uint8)
+    coder = constriction.stream.stack.AnsCoder(words.astype(np.uint32))
+    ends = np.cumsum(groups)
+    for position, group in enumerate(nonempty):
+        symbols = present_symbol[first[position] : last_of_group[position] + 1]
+        segment = slice(ends[group] - groups[group], ends[group])
+        if distinct[position] < 2:
+            out[segment] = symbols[0]
+            continue
+        model = _ans_model(counts[first[position] : last_of_group[position] + 1].astype(float))
+        out[segment] = symbols[coder.decode(model, int(groups[group]))]
+    return out.view(np.int8)
+
+
+# Coders whose streams decode only with the group sizes (the previous level of each element).
+GROUPED_CODERS = {"ans-grouped": (grouped_ans_encode, grouped_ans_decode)}
+
 CODERS = {
     "zstd": (
         lambda stream: zstd_compress(np.asarray(stream, np.int8).tobytes()),
@@ -211,17 +328,25 @@ CODERS = {
 
 
 def check_coder(name: str) -> str:
-    """``name`` if it is a coder or ``"auto"`` (the smaller of rANS and zstd per stream)."""
-    if name not in CODERS and name != "auto":
+    """``name`` if it is a coder or ``"auto"`` (the smallest per stream)."""
+    if name not in CODERS and name not in GROUPED_CODERS and name != "auto":
         raise ConfigurationError(
-            f"unknown coder {name!r}; choose one of {sorted(CODERS) + ['auto']}"
+            f"unknown coder {name!r}; choose one of {sorted([*CODERS, *GROUPED_CODERS]) + ['auto']}"
         )
     return name
 
 
-def encode_stream(stream: np.ndarray, coder: str) -> bytes:
-    return CODERS[check_coder(coder)][0](stream)
+def encode_stream(stream: np.ndarray, coder: str, groups: np.ndarray | None = None) -> bytes:
+    """``stream`` coded by ``coder``; a grouped coder needs the group sizes (else one group)."""
+    if check_coder(coder) in GROUPED_CODERS:
+        groups = np.array([np.asarray(stream).size]) if groups is None else groups
+        return GROUPED_CODERS[coder][0](stream, groups)
+    return CODERS[coder][0](stream)
 
 
-def decode_stream(blob: bytes, coder: str) -> np.ndarray:
-    return CODERS[check_coder(coder)][1](blob)
+def decode_stream(blob: bytes, coder: str, groups: np.ndarray | None = None) -> np.ndarray:
+    if check_coder(coder) in GROUPED_CODERS:
+        if groups is None:
+            raise CorruptCheckpointError(f"a {coder!r} stream cannot be decoded without its groups")
+        return GROUPED_CODERS[coder][1](blob, groups)
+    return CODERS[coder][1](blob)

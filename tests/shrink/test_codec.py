@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stalwart.shrink as shrink
-from stalwart.shrink.codec import decode_chain, decode_lossless, encode_lossless
+from stalwart.errors import CorruptCheckpointError
+from stalwart.shrink.codec import (
+    decode_chain,
+    decode_lossless,
+    encode_lossless,
+    join_constant_rows,
+    split_constant_rows,
+)
 from stalwart.shrink.container import read_container
 from stalwart.shrink.delta import (
     delta_indices,
@@ -17,7 +24,7 @@ from stalwart.shrink.delta import (
     run_length_encode,
     undelta_indices,
 )
-from stalwart.shrink.entropy import decode_stream, encode_stream
+from stalwart.shrink.entropy import decode_stream, encode_stream, grouped_ans_decode
 from stalwart.shrink.partition import QuantConfig
 from stalwart.shrink.quantize import PROTECTED, PRUNED
 
@@ -58,6 +65,71 @@ def test_delta_and_coding_round_trip_exactly(pair, coder):
         # Without run lengths (how "ans" stores deltas).
         direct = decode_stream(encode_stream(deltas.view(np.int8), coder), coder).view(np.uint8)
         assert torch.equal(undelta_indices(direct, base, alphabet), cur)
+
+
+@settings(max_examples=150, deadline=None)
+@given(index_pairs())
+def test_grouped_ans_round_trips_deltas_grouped_by_previous_level(pair):
+    prev, a_prev, cur, a_cur = pair
+    alphabet = max(a_prev, a_cur)
+    deltas = delta_indices(cur, prev, alphabet)
+    groups = np.bincount(prev.numpy(), minlength=alphabet)
+    blob = encode_stream(deltas.view(np.int8), "ans-grouped", groups)
+    decoded = decode_stream(blob, "ans-grouped", groups).view(np.uint8)
+    assert torch.equal(undelta_indices(decoded, prev, alphabet), cur)
+    # A keyframe is one group; decoding with other groups than were encoded is refused, never a
+    # silently different stream.
+    keyframe = cur.numpy()
+    one = np.array([keyframe.size])
+    assert np.array_equal(decode_stream(encode_stream(keyframe, "ans-grouped"), "ans-grouped", one)
+                          .view(np.uint8), keyframe)  # fmt: skip
+    if keyframe.size:
+        with pytest.raises(CorruptCheckpointError):
+            grouped_ans_decode(blob, np.append(groups, 1))
+
+
+def test_grouped_ans_codes_the_delta_given_the_previous_level():
+    # Two levels: an element at the lower one can only move up, at the upper one only down. Per
+    # tensor a move is up or down (H(delta) = 1.5 bits: stay, +1, -1), per previous level the
+    # direction is known (H(delta | previous level) = 1 bit: stay or move).
+    rng = np.random.default_rng(0)
+    prev = rng.integers(2, 4, 200_000).astype(np.uint8)
+    moves = rng.random(prev.size) < 0.5
+    cur = prev.copy()
+    cur[moves] = 5 - prev[moves]
+    deltas = delta_indices(torch.from_numpy(cur), torch.from_numpy(prev), 4)
+    groups = np.bincount(prev, minlength=4)
+    grouped = len(encode_stream(deltas.view(np.int8), "ans-grouped", groups))
+    flat = len(encode_stream(deltas.view(np.int8), "ans"))
+    assert grouped < 0.7 * flat
+
+
+def test_constant_rows_of_a_keyframe_cost_a_bit_each(tmp_path):
+    torch.manual_seed(0)
+    weights = {"hidden": torch.randn(256, 512), "out": torch.randn(10, 256)}
+    dead = torch.rand(256) < 0.25
+    weights["hidden"][dead] = 0.0  # dead units: whole rows zero
+    indices = torch.randint(0, 9, (256, 512), dtype=torch.uint8).numpy()
+    indices[dead.numpy()] = 0
+    side, rest = split_constant_rows(indices.reshape(-1), (256, 512))
+    constant = dead.numpy()
+    assert np.array_equal(join_constant_rows(side, constant, rest, 512), indices.reshape(-1))
+    assert split_constant_rows(indices.reshape(-1), (256 * 512,)) is None  # not a matrix
+    config = QuantConfig(bins=16, protect=0.01)
+    stripped = shrink.save(weights, tmp_path / "rows.shrunk", config=config)
+    plain = shrink.save(weights, tmp_path / "plain.shrunk", config=config, coder="ans")
+    entry = read_container(stripped.path).header["tensors"]["hidden"]
+    assert "constant_rows" in entry
+    assert stripped.weight_stored < 0.85 * plain.weight_stored
+    loaded, expected = shrink.load(stripped.path), shrink.load(plain.path)
+    assert all(torch.equal(loaded[name], expected[name]) for name in weights)
+    assert (loaded["hidden"][dead] == loaded["hidden"][dead][0, 0]).all()
+    # A delta on it: dead rows stay dead, the chain decodes to the same values as without.
+    moved = {name: w + 0.01 * torch.randn_like(w) * (w != 0) for name, w in weights.items()}
+    delta = shrink.save(moved, tmp_path / "rows1.shrunk", previous=stripped, config=config)
+    again = shrink.save(moved, tmp_path / "plain1.shrunk", previous=plain, config=config)
+    loaded, expected = shrink.load(delta.path), shrink.load(again.path)
+    assert all(torch.equal(loaded[name], expected[name]) for name in weights)
 
 
 @settings(max_examples=100, deadline=None)
@@ -141,9 +213,14 @@ def test_small_tensors_are_rounded_or_exact_and_the_file_says_which_format(tmp_p
     assert torch.equal(loaded["scale"], weights["scale"])
     assert torch.equal(shrink.load(exact.path)["bias"], weights["bias"])
     assert exact.weight_stored > rounded.weight_stored
-    # A file declares the oldest format that reads it: the bfloat16 encoding needs format 2, a
-    # file without it stays format 1 (readable by a stalwart that knows only format 1).
-    for report, version in ((rounded, 2), (exact, 1)):
+    # A file declares the oldest format that reads it: the bfloat16 encoding needs format 2, the
+    # grouped rANS coder (chosen by "auto" here) format 3; a file with neither stays format 1
+    # (readable by a stalwart that knows only format 1).
+    zstd_rounded = shrink.save(weights, tmp_path / "zstd_rounded.shrunk", coder="zstd")
+    zstd_exact = shrink.save(
+        weights, tmp_path / "zstd_exact.shrunk", coder="zstd", small_tensors="lossless"
+    )
+    for report, version in ((rounded, 3), (exact, 3), (zstd_rounded, 2), (zstd_exact, 1)):
         container = read_container(report.path)
         assert container.header["format"] == version
         assert Path(report.path).read_bytes()[8:10] == version.to_bytes(2, "little")

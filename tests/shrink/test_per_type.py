@@ -87,10 +87,15 @@ def test_per_type_config_round_trips_through_file_chain_and_inspect(tmp_path, ca
     config = QuantConfig(bins=12, type_bins={"attention": 6, "linear": 12})
     assert config.type_bins == (("attention", 6),)  # an override equal to bins is dropped
     assert config == QuantConfig(bins=12, type_bins=(("attention", 6),))
-    first = shrink.save(_weights(0), tmp_path / "0.shrunk", config=config, layer_types=TYPES)
-    report = shrink.save(
-        _weights(1), tmp_path / "1.shrunk", previous=first, config=config, layer_types=TYPES
+    # coder="zstd": the per-type config alone decides the format (format 2; "auto" picks the
+    # grouped rANS coder of format 3).
+    first = shrink.save(
+        _weights(0), tmp_path / "0.shrunk", config=config, layer_types=TYPES, coder="zstd"
     )
+    report = shrink.save(
+        _weights(1), tmp_path / "1.shrunk", previous=first, config=config, layer_types=TYPES,
+        coder="zstd",
+    )  # fmt: skip
     container = read_container(report.path)
     assert container.header["format"] == 2
     assert container.header["config"]["type_bins"] == {"attention": 6}
@@ -113,7 +118,7 @@ def test_a_config_without_overrides_reads_and_writes_as_before(tmp_path):
     config = QuantConfig.from_dict(old)
     assert config.to_dict() == old and config.type_bins == ()
     report = shrink.save(
-        _weights(0), tmp_path / "x.shrunk", config=config, small_tensors="lossless"
+        _weights(0), tmp_path / "x.shrunk", config=config, small_tensors="lossless", coder="ans"
     )
     assert read_container(report.path).header["format"] == 1
 
