@@ -45,8 +45,9 @@ from stalwart.shrink.quantize import QuantizedTensor, TensorAnalysis
 
 Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
 
-# Measured on the char transformer (docs/shrink.md): the screen's relative degradation differed
-# from the full batches' by at most ~TODO of tau, so an answer screened at half the bound is safe.
+# Measured on the char transformer (43 candidates of a 10-checkpoint run scored on the screen and
+# on the full batches, docs/shrink.md): the two differed by up to 0.36 tau near the bound, and the
+# 6 candidates screened within tau/2 were all within 0.39 tau on the full batches.
 DEFAULT_SCREEN_ACCEPT = 0.5
 
 
