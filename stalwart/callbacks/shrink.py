@@ -16,7 +16,7 @@ from stalwart.shrink.entropy import DEFAULT_CODER
 from stalwart.shrink.gradients import GradientEMA
 from stalwart.shrink.partition import layer_types_of
 from stalwart.shrink.scoring import first_batches, live_evaluator, screening_batches
-from stalwart.shrink.search import ConfigSearch
+from stalwart.shrink.search import DEFAULT_SCREEN_ACCEPT, ConfigSearch
 
 
 class ShrinkCheckpoint(ModelCheckpoint):
@@ -40,8 +40,14 @@ class ShrinkCheckpoint(ModelCheckpoint):
             dominates compression time; two batches measure the relative degradation within
             ~10% of the whole validation set's (char transformer, 8k characters a batch).
         screen_fraction: share of those batches' rows (from the first batch) every candidate is
-            screened on first; only the search's answer is scored on all of them, so the bound
-            holds on the full scoring batches. 0 scores every candidate on all of them.
+            screened on first; the search's answer is then scored on all of them (unless
+            ``screen_accept`` takes it on the screen), and one that fails there is passed over.
+            0 scores every candidate on all of them.
+        screen_accept: an answer whose screened degradation is at most ``screen_accept * tau``
+            is written without the full scoring (the two full scorings, uncompressed reference
+            and answer, were most of a later checkpoint's cost); the report's
+            ``degradation_on`` then says ``"screen"``. 0 confirms every answer on the full
+            scoring batches.
         per_type_bins: refine the bin count per layer type after the shared choice (off by
             default: it adds screenings and a full scoring at each checkpoint where the search
             moves, and did not raise the char transformer's ratio in a run with restores).
@@ -72,6 +78,7 @@ class ShrinkCheckpoint(ModelCheckpoint):
         compress_optimizer: str = "lossless",
         eval_batches: int = 2,
         screen_fraction: float = 0.125,
+        screen_accept: float = DEFAULT_SCREEN_ACCEPT,
         per_type_bins: bool = False,
         evaluate: Callable[[pl.LightningModule], float] | None = None,
         grad_window: int = 50,
@@ -107,7 +114,7 @@ class ShrinkCheckpoint(ModelCheckpoint):
         self.evaluate = evaluate
         self.grad_window = grad_window
         self.grad_beta = grad_beta
-        self.search = ConfigSearch(tau, per_type=per_type_bins)
+        self.search = ConfigSearch(tau, per_type=per_type_bins, screen_accept=screen_accept)
         self.ema = GradientEMA(grad_beta)
         self._held_out: list[Any] | None = None
         self._batch_idx = 0

@@ -27,7 +27,7 @@ from stalwart.shrink.container import SectionWriter
 from stalwart.shrink.entropy import DEFAULT_CODER, check_coder
 from stalwart.shrink.partition import QuantConfig, guess_layer_type
 from stalwart.shrink.quantize import QuantizedTensor, TensorAnalysis
-from stalwart.shrink.search import ConfigSearch
+from stalwart.shrink.search import DEFAULT_SCREEN_ACCEPT, ConfigSearch, check_screen_accept
 
 DEFAULT_CONFIG = QuantConfig(bins=16, prune=0.0, prune_metric="magnitude", protect=0.005)
 LOSSY_OPTIMIZER_CONFIG = QuantConfig(bins=32, prune=0.0, prune_metric="magnitude", protect=0.01)
@@ -42,7 +42,9 @@ class ShrinkReport:
     ``ratio`` compares the state_dict's raw tensor bytes with the bytes its part of the file
     takes; ``total_ratio`` does the same for everything saved (weights + ``extra``, e.g. the
     optimizer state of a Lightning checkpoint). ``config`` is None when nothing met ``tau`` and the
-    weights were stored losslessly.
+    weights were stored losslessly. ``degradation`` (searched saves only) was measured on
+    ``degradation_on``: ``"evaluate"`` (the full scoring batches) or ``"screen"`` (an answer the
+    search accepted on the screen within its margin, see ``screen_accept``).
     """
 
     path: str
@@ -59,6 +61,7 @@ class ShrinkReport:
     search_seconds: float = 0.0
     evaluations: int = 0
     screenings: int = 0
+    degradation_on: str | None = None
     chain: ChainState | None = field(default=None, repr=False)
 
     @property
@@ -114,6 +117,7 @@ def save(
     evaluate: Callable[[Mapping[str, torch.Tensor]], float] | None = None,
     screen: Callable[[Mapping[str, torch.Tensor]], float] | None = None,
     tau: float = 0.05,
+    screen_accept: float = DEFAULT_SCREEN_ACCEPT,
     gradients: Mapping[str, torch.Tensor] | None = None,
     config: QuantConfig | None = None,
     search: ConfigSearch | None = None,
@@ -134,9 +138,14 @@ def save(
         evaluate: ``evaluate(state_dict) -> loss`` on held-out data; with it, the quantization is
             searched so that ``(loss - loss_uncompressed) / loss_uncompressed <= tau``.
         screen: a cheaper estimate of ``evaluate``'s loss (e.g. on a share of its batches) that
-            candidates are judged on first; only the search's answer is then scored with
-            ``evaluate``, and the bound holds on ``evaluate`` whatever the screen said.
+            candidates are judged on first; the search's answer is then scored with ``evaluate``
+            (the bound holds there whatever the screen said) unless ``screen_accept`` takes it on
+            the screen.
         tau: the quality bound for the search.
+        screen_accept: an answer screened at most ``screen_accept * tau`` worse is written
+            without scoring it with ``evaluate`` (``report.degradation_on == "screen"``); 0
+            confirms every answer with ``evaluate``. Used when ``search`` is None (a given
+            search keeps its own).
         gradients: name -> gradient EMA, enabling sensitivity (|g*w|) pruning and protection.
         config: a fixed :class:`QuantConfig` instead of a search.
         search: a :class:`ConfigSearch` kept across saves (neighbourhood search); created if None.
@@ -168,6 +177,7 @@ def save(
         )
     if not tau >= 0.0:
         raise ConfigurationError(f"tau is a relative degradation >= 0, got {tau}")
+    check_screen_accept(screen_accept)
     path = Path(path)
     if not path.parent.is_dir():
         raise ConfigurationError(f"cannot write {path}: directory {path.parent} does not exist")
@@ -198,17 +208,19 @@ def save(
             for name, tensor in state_dict.items()
             if name not in analyses and tensor.dtype == torch.float32
         }
-    degradation = None
+    degradation = degradation_on = None
     search_seconds = 0.0
     evaluations = screenings = 0
     if config is not None:
         quantized = {name: a.quantize(config) for name, a in analyses.items()}
     elif evaluate is not None:
-        search = search or ConfigSearch(tau)
+        search = search or ConfigSearch(tau, screen_accept=screen_accept)
         if chain is not None and search.previous is None and chain.config is not None:
             search.previous = chain.config
         outcome = search.run(analyses, state_dict, evaluate, screen, fixed=rounded)
         config, quantized, degradation = outcome.config, outcome.quantized, outcome.degradation
+        if config is not None:
+            degradation_on = "evaluate" if outcome.confirmed else "screen"
         if config is None:
             rounded = {}  # nothing met tau: every tensor is stored exactly
         search_seconds, evaluations = outcome.seconds, outcome.evaluations
@@ -218,7 +230,8 @@ def save(
         quantized = {name: a.quantize(config) for name, a in analyses.items()}
     return _write(
         state_dict, quantized, set(rounded), path, chain, config, extra, lossy_extra, coder,
-        min_numel, analyses, degradation, start, search_seconds, evaluations, screenings,
+        min_numel, analyses, degradation, degradation_on, start, search_seconds, evaluations,
+        screenings,
     )  # fmt: skip
 
 
@@ -235,6 +248,7 @@ def _write(
     min_numel: int,
     analyses: dict[str, TensorAnalysis],
     degradation: float | None,
+    degradation_on: str | None,
     start: float,
     search_seconds: float,
     evaluations: int,
@@ -275,6 +289,7 @@ def _write(
         "coder": coder,
         "config": None if config is None else config.to_dict(),
         "degradation": degradation,
+        "degradation_on": degradation_on,
         "order": list(state_dict),
         "tensors": entries,
         "extra": packed_extra,
@@ -301,6 +316,7 @@ def _write(
         chain_position=position,
         config=config,
         degradation=degradation,
+        degradation_on=degradation_on,
         weight_bytes=header["weight_bytes"],
         weight_stored=size - extra_stored,
         total_bytes=header["weight_bytes"] + header["extra_bytes"],

@@ -28,6 +28,7 @@ def describe(path: Path) -> dict:
         "position": header["chain_position"],
         "config": "lossless" if config is None else QuantConfig.from_dict(config).describe(),
         "degradation": header["degradation"],
+        "degradation_on": header.get("degradation_on"),  # absent in older files
         "weight_ratio": header["weight_bytes"] / max(weight_stored, 1),
         "total_ratio": (header["weight_bytes"] + header["extra_bytes"]) / container.size,
         "bytes": container.size,
@@ -57,6 +58,8 @@ def inspect(args: argparse.Namespace) -> None:
     print(f"{'file':32} {'kind':8} {'base':32} {'weights':>8} {'total':>7} {'degr.':>7}  config")
     for row in rows:
         degradation = "-" if row["degradation"] is None else f"{row['degradation']:+.3f}"
+        if row["degradation_on"] == "screen":
+            degradation += "*"
         print(
             f"{row['file']:32} {row['kind']:8} {row['base'] or '-':32} "
             f"{row['weight_ratio']:7.1f}x {row['total_ratio']:6.1f}x {degradation:>7}  "
@@ -65,6 +68,8 @@ def inspect(args: argparse.Namespace) -> None:
     raw = sum(row["weight_bytes"] for row in rows)
     stored = sum(row["weight_stored"] for row in rows)
     print(f"{len(rows)} checkpoint(s); weights {raw / max(stored, 1):.1f}x smaller overall")
+    if any(row["degradation_on"] == "screen" for row in rows):
+        print("* degradation measured on the screen (accepted within its margin), not confirmed")
 
 
 def restore(args: argparse.Namespace) -> None:

@@ -9,6 +9,7 @@ which matter most for the model's output, get levels of their own even when they
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 DEFAULT_SIGMA = 0.2
@@ -33,21 +34,33 @@ def assign_sorted(points: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor
 
 
 def _plus_plus_init(
-    points: torch.Tensor, weights: torch.Tensor, k: int, generator: torch.Generator
-) -> torch.Tensor:
+    points: np.ndarray, weights: np.ndarray, k: int, generator: np.random.Generator
+) -> np.ndarray:
     # Weighted k-means++: each new centre drawn with probability ~ weight * distance^2 to the
-    # nearest chosen one. A loop over k (<= a few dozen), vectorised over the points.
-    first = torch.multinomial(weights, 1, generator=generator)
-    centres = [points[first]]
-    nearest = (points - centres[0]).square()
+    # nearest chosen one. A loop over k (<= a few dozen), vectorised over the points; a draw is
+    # an inverse-CDF lookup (numpy, no per-call tensor overhead: ~35 us per torch.multinomial
+    # made the draws most of a first checkpoint's k-means time).
+    first = _draw(weights, generator)
+    centres = [points[0 if first is None else first]]  # all weights zero: any point will do
+    nearest = np.square(points - centres[0])
     for _ in range(1, k):
         mass = weights * nearest
-        if float(mass.sum()) <= 0:
+        pick = _draw(mass, generator)
+        if pick is None:
             break
-        pick = torch.multinomial(mass, 1, generator=generator)
         centres.append(points[pick])
-        nearest = torch.minimum(nearest, (points - centres[-1]).square())
-    return torch.sort(torch.cat(centres)).values
+        np.minimum(nearest, np.square(points - centres[-1]), out=nearest)
+    return np.sort(np.array(centres))
+
+
+def _draw(mass: np.ndarray, generator: np.random.Generator) -> int | None:
+    """An index drawn with probability proportional to ``mass`` (None when it is all zero)."""
+    cumulative = np.cumsum(mass)
+    total = cumulative[-1]
+    if not total > 0:
+        return None
+    # side="right": the first index whose cumulative mass exceeds the draw, never a zero mass.
+    return int(np.searchsorted(cumulative, generator.random() * total, side="right"))
 
 
 def weighted_kmeans_1d(
@@ -72,43 +85,57 @@ def weighted_kmeans_1d(
         centroids = weighted_kmeans_1d(representatives, point_weights(representatives, counts), 8)
         cluster = assign_sorted(values, centroids)
     """
-    points = points.double().reshape(-1)
-    weights = weights.double().reshape(-1)
-    distinct = torch.unique(points)
-    if distinct.numel() <= k:
-        return distinct
+    # The histogram has a few thousand points: numpy, because per-call tensor overhead dominated
+    # Lloyd's tiny steps.
+    points = points.detach().double().reshape(-1).cpu().numpy()
+    weights = weights.detach().double().reshape(-1).cpu().numpy()
+    distinct = np.unique(points)
+    if distinct.size <= k:
+        return torch.from_numpy(distinct)
     if init is not None and init.numel() == k:
         # Warm start from the previous checkpoint's levels: Lloyd then settles near them, so
         # elements whose weights barely moved keep their index and the delta stays zero.
-        return _lloyd(points, weights, torch.sort(init.double().reshape(-1)).values, iterations)
-    generator = torch.Generator().manual_seed(seed)
+        start = np.sort(init.detach().double().reshape(-1).cpu().numpy())
+        return torch.from_numpy(_lloyd(points, weights, start, iterations))
+    generator = np.random.default_rng(seed)
     best, best_inertia = None, float("inf")
     for _ in range(max(1, restarts)):
-        start = _plus_plus_init(points, weights.clamp_min(0), k, generator)
+        start = _plus_plus_init(points, np.maximum(weights, 0.0), k, generator)
         centroids = _lloyd(points, weights, start, iterations)
-        inertia = float(
-            (weights * (points - centroids[assign_sorted(points, centroids)]).square()).sum()
-        )
+        nearest = centroids[_assign(points, centroids)]
+        inertia = float(np.dot(weights, np.square(points - nearest)))
         if inertia < best_inertia:
             best, best_inertia = centroids, inertia
-    return best
+    return torch.from_numpy(best)
+
+
+def _assign(points: np.ndarray, centroids: np.ndarray) -> np.ndarray:
+    """:func:`assign_sorted` in numpy."""
+    return np.searchsorted((centroids[1:] + centroids[:-1]) / 2, points, side="left")
 
 
 def _lloyd(
-    points: torch.Tensor, weights: torch.Tensor, centroids: torch.Tensor, iterations: int
-) -> torch.Tensor:
-    membership = None
+    points: np.ndarray, weights: np.ndarray, centroids: np.ndarray, iterations: int
+) -> np.ndarray:
+    # 1-D clusters of sorted points are runs: prefix sums give each cluster's mass and moment
+    # from its boundaries, O(k log n) per step instead of a pass over every point.
+    order = np.argsort(points, kind="stable")
+    points, weights = points[order], weights[order]
+    mass_before = np.concatenate(([0.0], np.cumsum(weights)))
+    moment_before = np.concatenate(([0.0], np.cumsum(weights * points)))
+    edges = None
     for _ in range(iterations):
-        new_membership = assign_sorted(points, centroids)
-        if membership is not None and torch.equal(new_membership, membership):
+        # The points of cluster i are those above midpoint i - 1 and at most midpoint i (ties go
+        # down, as in assign_sorted).
+        midpoints = (centroids[1:] + centroids[:-1]) / 2
+        new_edges = np.searchsorted(points, midpoints, side="right")
+        if edges is not None and np.array_equal(new_edges, edges):
             break
-        membership = new_membership
-        mass = torch.zeros(centroids.numel(), dtype=torch.float64)
-        moment = torch.zeros_like(mass)
-        mass.index_add_(0, membership, weights)
-        moment.index_add_(0, membership, weights * points)
-        occupied = mass > 0
+        edges = new_edges
+        bounds = np.concatenate(([0], edges, [points.size]))
+        mass = np.diff(mass_before[bounds])
+        moment = np.diff(moment_before[bounds])
         # An empty cluster keeps its centre; Lloyd cannot move it and dropping it loses a level.
-        centroids = torch.where(occupied, moment / mass.clamp_min(1e-300), centroids)
-        centroids = torch.sort(centroids).values
+        occupied = mass > 0
+        centroids = np.sort(np.where(occupied, moment / np.where(occupied, mass, 1.0), centroids))
     return centroids

@@ -1,9 +1,12 @@
 """The configuration search: the bound holds at every checkpoint; precision only increases."""
 
+import pytest
 import torch
 from torch import nn
 
 import stalwart.shrink as shrink
+from stalwart.errors import ConfigurationError
+from stalwart.shrink.inspect import describe
 from stalwart.shrink.partition import QuantConfig
 
 
@@ -17,7 +20,7 @@ def _model_and_data(seed=0):
     return model, x, y
 
 
-def _train_and_save(tmp_path, checkpoints: int, tau: float, **save_kwargs):
+def _train_and_save(tmp_path, checkpoints: int, tau: float, screen_accept=0.5, **save_kwargs):
     """Train the model 25 steps per checkpoint and save each through one ConfigSearch; yield
     (report, loss of the live weights, loss of what the file decodes to) per checkpoint."""
     model, x, y = _model_and_data()
@@ -28,7 +31,7 @@ def _train_and_save(tmp_path, checkpoints: int, tau: float, **save_kwargs):
             out = torch.func.functional_call(model, dict(state), (x[:512],))
             return float(nn.functional.cross_entropy(out, y[:512]))
 
-    search = shrink.ConfigSearch(tau=tau)
+    search = shrink.ConfigSearch(tau=tau, screen_accept=screen_accept)
     report = None
     for step in range(checkpoints):
         for _ in range(25):
@@ -100,12 +103,90 @@ def test_fixed_config_skips_search(tmp_path):
 
 
 def test_a_screen_only_guides_the_bound_holds_on_the_scoring_batches(tmp_path):
-    # A screen that calls every candidate harmless: the search must still write only what meets
-    # tau on the full scoring function, and still never get more aggressive.
+    # A screen that calls every candidate harmless: with every answer confirmed (screen_accept
+    # 0), the search must still write only what meets tau on the full scoring function, and
+    # still never get more aggressive.
     configs = []
-    for report, reference, written in _train_and_save(tmp_path, 4, 0.01, screen=lambda s: 1.0):
-        assert report.screenings > 0
+    for report, reference, written in _train_and_save(
+        tmp_path, 4, 0.01, screen=lambda s: 1.0, screen_accept=0.0
+    ):
+        assert report.screenings > 0 and report.degradation_on == "evaluate"
         assert (written - reference) / reference <= 0.01 + 1e-6
         configs.append(report.config)
     for before, after in zip(configs, configs[1:], strict=False):
         assert after.at_most_as_aggressive_as(before), (before, after)
+
+
+class _Counted:
+    """A loss function that counts its calls."""
+
+    def __init__(self, loss) -> None:
+        self.loss, self.calls = loss, 0
+
+    def __call__(self, state) -> float:
+        self.calls += 1
+        return self.loss(state)
+
+
+def _squared_error_loss(reference):
+    """1 + mean squared quantization error: the relative degradation is the error itself."""
+    return lambda state: 1.0 + float(((state["fc.weight"] - reference) ** 2).mean())
+
+
+def _screen_saying(degradation: float, reference):
+    """A screen that puts every quantized candidate at ``degradation`` (the reference at 0)."""
+    return lambda state: 1.0 + (0.0 if torch.equal(state["fc.weight"], reference) else degradation)
+
+
+def test_an_answer_screened_within_the_margin_costs_no_full_scoring(tmp_path):
+    weights = {"fc.weight": torch.randn(96, 96, generator=torch.Generator().manual_seed(0))}
+    reference = weights["fc.weight"].clone()
+    for accept in (0.5, 0.0):
+        evaluate = _Counted(_squared_error_loss(reference))
+        screen = _Counted(_screen_saying(0.4 * 0.05, reference))
+        report = shrink.save(
+            weights, tmp_path / f"{accept}.shrunk", evaluate=evaluate, screen=screen, tau=0.05,
+            screen_accept=accept,
+        )  # fmt: skip
+        # Screened at 0.4 tau: within half the bound it is written as screened, with no full
+        # scoring at all (not even the reference); with the margin off, it is confirmed.
+        assert screen.calls > 1 and evaluate.calls == report.evaluations
+        assert evaluate.calls == 0 if accept else evaluate.calls >= 2
+        on = "screen" if accept else "evaluate"
+        assert (
+            report.degradation_on == describe(tmp_path / f"{accept}.shrunk")["degradation_on"] == on
+        )
+        if accept:
+            assert report.degradation == pytest.approx(0.4 * 0.05)
+
+
+def test_an_answer_screened_near_the_bound_is_confirmed_and_a_failure_moves_the_search_on(
+    tmp_path,
+):
+    weights = {"fc.weight": torch.randn(96, 96, generator=torch.Generator().manual_seed(0))}
+    reference = weights["fc.weight"].clone()
+    evaluate = _Counted(_squared_error_loss(reference))
+    # Every candidate screened at 0.8 tau: above the margin, so every answer is confirmed. The
+    # screen's first answer, the most aggressive corner (4 levels, half pruned: squared error
+    # ~0.1 of unit-variance weights), fails on the full scoring; the search must move on.
+    screen = _Counted(_screen_saying(0.8 * 0.05, reference))
+    report = shrink.save(
+        weights, tmp_path / "x.shrunk", evaluate=evaluate, screen=screen, tau=0.05,
+        screen_accept=0.5,
+    )  # fmt: skip
+    written = _squared_error_loss(reference)(shrink.load(report.path)) - 1.0
+    assert report.config is not None and report.degradation_on == "evaluate"
+    assert written <= 0.05 + 1e-6 and report.degradation == pytest.approx(written, rel=1e-4)
+    # The reference, at least one failed confirmation, and the confirmed answer.
+    assert evaluate.calls == report.evaluations >= 3
+
+
+def test_screen_accept_outside_0_1_is_a_configuration_error(tmp_path):
+    weights = {"fc.weight": torch.randn(64, 64)}
+    for accept in (-0.1, 1.5):
+        with pytest.raises(ConfigurationError, match="screen_accept"):
+            shrink.save(
+                weights, tmp_path / "x.shrunk", evaluate=lambda s: 1.0, screen_accept=accept
+            )
+        with pytest.raises(ConfigurationError, match="screen_accept"):
+            shrink.ConfigSearch(screen_accept=accept)
