@@ -231,15 +231,26 @@ class ConfigSearch:
                 measure(config, quantize(config), False)
             return cache[config][0]
 
+        def checked(config: QuantConfig) -> Trial:
+            """``trial``, with a rejection by the screen checked on the full batches: used where a
+            rejection would raise the precision for good (staying at the previous configuration)
+            or store everything losslessly. Measured on the digits CNN (loss ~0.03): the screen
+            put the previous configuration at +0.67 tau-units where the full batches said +0.01,
+            and rejected 96 levels before a lossless checkpoint."""
+            record = trial(config)
+            if not record.feasible and not record.confirmed:
+                measure(config, cache[config][1], True)
+            return cache[config][0]
+
         metrics = ("magnitude", "sensitivity") if has_gradients else ("magnitude",)
         exhaustive = False
         while True:
             chosen = None
             if self.previous is not None and self.neighbourhood:
-                chosen = self._neighbourhood(self.previous, metrics, trial, shares)
+                chosen = self._neighbourhood(self.previous, metrics, trial, shares, checked)
             if chosen is None:
                 exhaustive = True
-                chosen = self._guided_exhaustive(metrics, trial, ceiling=self.previous)
+                chosen = self._guided_exhaustive(metrics, trial, self.previous, checked)
             # The screen's answer, accepted within the margin or scored on the full batches. A
             # failed confirmation is remembered as infeasible, so the next pass of the (memoized)
             # search moves past it.
@@ -296,6 +307,7 @@ class ConfigSearch:
         metrics: tuple[str, ...],
         trial: Callable[[QuantConfig], Trial],
         shares: Mapping[str, float],
+        checked: Callable[[QuantConfig], Trial],
     ) -> Trial | None:
         metric = previous.prune_metric
         if previous.prune > 0 and len(metrics) > 1:
@@ -322,8 +334,11 @@ class ConfigSearch:
             if more:
                 candidates.add(base.with_type_bins(layer_type, more[0]))
         for config in sorted(candidates, key=lambda candidate: candidate.estimated_bits(shares)):
-            if trial(config).feasible:
-                return trial(config)
+            # Staying at the previous configuration is only given up on the full batches' word:
+            # the precision it then gains is never given back.
+            record = checked(config) if config == base else trial(config)
+            if record.feasible:
+                return record
         return None
 
     @staticmethod
@@ -331,7 +346,10 @@ class ConfigSearch:
         metrics: tuple[str, ...],
         trial: Callable[[QuantConfig], Trial],
         ceiling: QuantConfig | None,
+        checked: Callable[[QuantConfig], Trial] | None = None,
     ) -> Trial | None:
+        checked = checked or trial
+
         def allowed(config: QuantConfig) -> bool:
             return ceiling is None or config.at_most_as_aggressive_as(ceiling)
 
@@ -340,7 +358,10 @@ class ConfigSearch:
 
         def feasible(bins_at: int, prune: float, metric: str) -> bool:
             config = QuantConfig(BIN_CHOICES[bins_at], prune, metric, protect)
-            return allowed(config) and trial(config).feasible
+            # Giving up on the most precise point of a plane, like storing losslessly below,
+            # needs the full batches' word, not the screen's.
+            judge = checked if bins_at == len(BIN_CHOICES) - 1 and prune == 0 else trial
+            return allowed(config) and judge(config).feasible
 
         for metric in metrics:
             prunes = PRUNE_CHOICES if metric == "magnitude" else PRUNE_CHOICES[1:]
@@ -366,7 +387,7 @@ class ConfigSearch:
                 frontier.append(trial(QuantConfig(BIN_CHOICES[b], prune, metric, protect)))
         if not frontier:
             fallback = QuantConfig(BIN_CHOICES[-1], 0.0, "magnitude", PROTECT_CHOICES[-1])
-            return trial(fallback) if allowed(fallback) and trial(fallback).feasible else None
+            return checked(fallback) if allowed(fallback) and checked(fallback).feasible else None
         best = min(frontier, key=lambda record: record.size_bits)
         leaner = replace(best.config, protect=PROTECT_CHOICES[0])
         if allowed(leaner) and trial(leaner).feasible and trial(leaner).size_bits < best.size_bits:

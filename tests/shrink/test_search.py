@@ -190,3 +190,33 @@ def test_screen_accept_outside_0_1_is_a_configuration_error(tmp_path):
             )
         with pytest.raises(ConfigurationError, match="screen_accept"):
             shrink.ConfigSearch(screen_accept=accept)
+
+
+def test_a_screen_rejection_is_checked_before_the_precision_rises_for_good(tmp_path):
+    # A screen that rejects every quantized candidate by far (as a 45-image screen of the digits
+    # CNN did, at a loss near zero) while the full scoring batches accept most of them.
+    generator = torch.Generator().manual_seed(0)
+    weights = {"fc.weight": torch.randn(96, 96, generator=generator)}
+    search = shrink.ConfigSearch(tau=0.05)
+    first = shrink.save(
+        weights, tmp_path / "0.shrunk", search=search, tau=0.05,
+        evaluate=_squared_error_loss(weights["fc.weight"].clone()),
+    )  # fmt: skip
+    assert first.config is not None
+    moved = {"fc.weight": weights["fc.weight"] + 0.01 * torch.randn(96, 96, generator=generator)}
+    reference = moved["fc.weight"].clone()
+    evaluate = _Counted(_squared_error_loss(reference))
+    second = shrink.save(
+        moved, tmp_path / "1.shrunk", previous=first, search=search, tau=0.05,
+        evaluate=evaluate, screen=_screen_saying(10 * 0.05, reference),
+    )  # fmt: skip
+    # Staying at the previous configuration was checked on the full batches, which accept it:
+    # no rise in precision, no lossless checkpoint, and what is written meets tau.
+    assert second.config == first.config and second.degradation_on == "evaluate"
+    assert _squared_error_loss(reference)(shrink.load(second.path)) - 1.0 <= 0.05 + 1e-6
+    # Without a previous choice, the most precise point is checked the same way: not lossless.
+    fresh = shrink.save(
+        moved, tmp_path / "fresh.shrunk", tau=0.05, evaluate=_squared_error_loss(reference),
+        screen=_screen_saying(10 * 0.05, reference),
+    )  # fmt: skip
+    assert fresh.config is not None and fresh.degradation_on == "evaluate"
