@@ -192,9 +192,9 @@ def test_screen_accept_outside_0_1_is_a_configuration_error(tmp_path):
             shrink.ConfigSearch(screen_accept=accept)
 
 
-def test_a_screen_rejection_is_checked_before_the_precision_rises_for_good(tmp_path):
-    # A screen that rejects every quantized candidate by far (as a 45-image screen of the digits
-    # CNN did, at a loss near zero) while the full scoring batches accept most of them.
+def test_a_screen_rejection_is_checked_before_a_checkpoint_is_stored_losslessly(tmp_path):
+    # A screen that rejects every quantized candidate by far (as the digits CNN's 45-image screen
+    # did at a loss near zero, rejecting 96 levels) while the full scoring batches accept most.
     generator = torch.Generator().manual_seed(0)
     weights = {"fc.weight": torch.randn(96, 96, generator=generator)}
     search = shrink.ConfigSearch(tau=0.05)
@@ -205,18 +205,14 @@ def test_a_screen_rejection_is_checked_before_the_precision_rises_for_good(tmp_p
     assert first.config is not None
     moved = {"fc.weight": weights["fc.weight"] + 0.01 * torch.randn(96, 96, generator=generator)}
     reference = moved["fc.weight"].clone()
-    evaluate = _Counted(_squared_error_loss(reference))
-    second = shrink.save(
-        moved, tmp_path / "1.shrunk", previous=first, search=search, tau=0.05,
-        evaluate=evaluate, screen=_screen_saying(10 * 0.05, reference),
-    )  # fmt: skip
-    # Staying at the previous configuration was checked on the full batches, which accept it:
-    # no rise in precision, no lossless checkpoint, and what is written meets tau.
-    assert second.config == first.config and second.degradation_on == "evaluate"
-    assert _squared_error_loss(reference)(shrink.load(second.path)) - 1.0 <= 0.05 + 1e-6
-    # Without a previous choice, the most precise point is checked the same way: not lossless.
-    fresh = shrink.save(
-        moved, tmp_path / "fresh.shrunk", tau=0.05, evaluate=_squared_error_loss(reference),
-        screen=_screen_saying(10 * 0.05, reference),
-    )  # fmt: skip
-    assert fresh.config is not None and fresh.degradation_on == "evaluate"
+    for name, previous in (("1.shrunk", first), ("fresh.shrunk", None)):
+        report = shrink.save(
+            moved, tmp_path / name, previous=previous, search=search if previous else None,
+            tau=0.05, evaluate=_squared_error_loss(reference),
+            screen=_screen_saying(10 * 0.05, reference),
+        )  # fmt: skip
+        # The most precise point was checked on the full batches, which accept it: quantized,
+        # not lossless, and what is written meets tau there.
+        assert report.config is not None and report.degradation_on == "evaluate"
+        assert report.config.at_most_as_aggressive_as(first.config) or previous is None
+        assert _squared_error_loss(reference)(shrink.load(report.path)) - 1.0 <= 0.05 + 1e-6
