@@ -16,6 +16,7 @@ the window unchanged. The PASS/FAIL line is the measured in-run share, never an 
     .venv/bin/python benchmarks/shrink_speed.py --skip-overhead   # codec only (~3 min)
     .venv/bin/python benchmarks/shrink_speed.py --skip-codec      # overhead only (~12 min)
     .venv/bin/python benchmarks/shrink_speed.py --params 10_000_000 --checkpoints 2   # quick
+    .venv/bin/python benchmarks/shrink_speed.py --throughput-ab 3   # batch time A/B (~4 min)
 """
 
 from __future__ import annotations
@@ -161,6 +162,55 @@ def overhead(seconds_per_checkpoint: float, checkpoints: int, calibration_steps:
     )
 
 
+def throughput_ab(steps: int, blocks: int) -> None:
+    """Median batch time of plain training vs training with ShrinkCheckpoint outside its gradient
+    window, in alternating blocks of one process, so that the machine's drift hits both alike."""
+    import lightning as L
+    from char_lm import CharTransformer, StdlibTextDataModule
+    from lightning.pytorch.callbacks import Callback
+
+    from stalwart import ShrinkCheckpoint
+
+    torch.set_num_threads(1)
+
+    class Outside(Callback):
+        def __init__(self, shrink: ShrinkCheckpoint | None) -> None:
+            self.shrink, self.seconds = shrink, []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if self.shrink is None or not self.shrink._in_window(trainer):
+                self.seconds.append(time.perf_counter() - self._start)
+
+    L.seed_everything(0)
+    dm = StdlibTextDataModule(batches_per_epoch=steps)
+    model = CharTransformer(vocab_size=dm.vocab_size)
+    ratios = []
+    print(f"\nthroughput A/B: {blocks} blocks of 2 epochs x {steps} batches each way, one model")
+    with tempfile.TemporaryDirectory() as tmp:
+        for block in range(blocks):
+            medians = {}
+            for kind in ("plain", "ShrinkCheckpoint"):
+                shrink = None
+                if kind == "ShrinkCheckpoint":
+                    shrink = ShrinkCheckpoint(dirpath=f"{tmp}/{block}", every_n_epochs=1)
+                timer = Outside(shrink)
+                L.Trainer(
+                    max_epochs=2, callbacks=[timer] + ([shrink] if shrink else []), logger=False,
+                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                    num_sanity_val_steps=0, enable_checkpointing=shrink is not None,
+                ).fit(model, dm)  # fmt: skip
+                seconds = sorted(timer.seconds[5:])
+                medians[kind] = seconds[len(seconds) // 2]
+            ratios.append(medians["ShrinkCheckpoint"] / medians["plain"])
+            print(f"  block {block}: median batch {medians['plain'] * 1e3:.1f} ms plain, "
+                  f"{medians['ShrinkCheckpoint'] * 1e3:.1f} ms with ShrinkCheckpoint outside the "
+                  f"gradient window ({ratios[-1]:.3f}x)", flush=True)  # fmt: skip
+    print(f"throughput outside the window: {', '.join(f'{r:.3f}x' for r in ratios)} of plain")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=100_000_000)
@@ -171,7 +221,14 @@ def main() -> None:
     parser.add_argument("--calibration-steps", type=int, default=40)
     parser.add_argument("--skip-codec", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument(
+        "--throughput-ab", type=int, default=0, metavar="BLOCKS",
+        help="only alternate plain and ShrinkCheckpoint training BLOCKS times (batch-time A/B)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.throughput_ab:
+        throughput_ab(150, args.throughput_ab)
+        return
     if not args.skip_codec:
         codec(args.params, args.coders.split(","), args.threads)
     if not args.skip_overhead:
