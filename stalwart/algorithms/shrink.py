@@ -86,18 +86,8 @@ class Shrink(Algorithm):
         keyframe_every: a full checkpoint (no delta) every this many saves.
         compress_optimizer: ``"lossless"`` (default) or ``"lossy"`` optimizer state.
         eval_batches: how many batches of the first evaluator the search scores candidates on.
-        screen_fraction: share of those batches' rows (from the first batch) every candidate is
-            screened on first; the search's answer is then scored on all of them (unless
-            ``screen_accept`` takes it on the screen), and one that fails there is passed over.
-            0 scores every candidate on all of them.
-        screen_accept: an answer whose screened degradation is at most ``screen_accept * tau``
-            is written without the full scoring (the two full scorings, uncompressed reference
-            and answer, were most of a later checkpoint's cost); the report's
-            ``degradation_on`` then says ``"screen"``. 0 confirms every answer on the full
-            scoring batches.
-        per_type_bins: refine the bin count per layer type after the shared choice (off by
-            default: it adds screenings and a full scoring at each checkpoint where the search
-            moves, and did not raise the char transformer's ratio in a run with restores).
+        screen_fraction, screen_accept, per_type_bins: as in
+            :class:`stalwart.callbacks.shrink.ShrinkCheckpoint` (the same search).
         evaluate: ``evaluate(model) -> loss`` on held-out data, instead of the model's own loss
             on the first evaluator's batches.
         grad_window: batches at the end of each epoch whose gradients feed the EMA

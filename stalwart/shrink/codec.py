@@ -127,8 +127,9 @@ def quantized_entry(
         groups = np.bincount(previous[0].numpy(), minlength=alphabet)
     if coder == "auto":
         # Measured, none wins everywhere: rANS per previous level codes a delta at its conditional
-        # entropy (char transformer: 9% below one distribution per tensor, which still wins on
-        # small tensors, where the per-level tables cost more than they save), while run lengths +
+        # entropy (char transformer chain: 6.6% fewer stream bytes than the other two; one
+        # distribution per tensor still wins on small tensors, where the per-level tables cost
+        # more than they save), while run lengths +
         # zstd also exploit runs of equal non-zero deltas, as when the bin count changes and a
         # whole group of the previous level shifts alike (digits CNN: 28.0x cumulative vs 19.7x).
         options = [("ans-grouped", False)] + ([] if keyframe else [("ans", False)])

@@ -236,10 +236,11 @@ def grouped_ans_encode(stream: np.ndarray, groups: np.ndarray) -> bytes:
     if symbols.size == 0:
         return header
     nonempty = np.flatnonzero(groups)
-    group_of = np.repeat(np.arange(groups.size), groups)
-    # One pass for every group's histogram: a joint bincount over (group, symbol).
-    joint = np.bincount(group_of * 256 + symbols, minlength=groups.size * 256)
-    joint = joint.reshape(groups.size, 256)[nonempty]
+    ends = np.cumsum(groups)
+    # Each group's histogram (a loop over groups, <= 256, not over symbols).
+    joint = np.stack(
+        [np.bincount(symbols[ends[g] - groups[g] : ends[g]], minlength=256) for g in nonempty]
+    )
     distinct = (joint > 0).sum(axis=1)
     present_group, present_symbol = np.nonzero(joint)
     counts = joint[present_group, present_symbol]
@@ -256,7 +257,6 @@ def grouped_ans_encode(stream: np.ndarray, groups: np.ndarray) -> bytes:
     rank[present_group, present_symbol] = np.arange(counts.size) - np.repeat(
         last_of_group - distinct + 1, distinct
     )
-    ends = np.cumsum(groups)
     coder = constriction.stream.stack.AnsCoder()
     # A stack: the group decoded first is encoded last. A loop over groups (<= 256), not symbols.
     for position in range(nonempty.size - 1, -1, -1):

@@ -63,15 +63,13 @@ def check_screen_accept(screen_accept: float) -> None:
 @dataclass
 class Trial:
     """One candidate's measurement. ``degradation`` decides ``feasible``: on the full scoring
-    batches when ``confirmed``, else on the screen. ``screened``: the screen's degradation of a
-    candidate that was screened before it was confirmed (None otherwise)."""
+    batches when ``confirmed``, else on the screen."""
 
     config: QuantConfig
     degradation: float
     feasible: bool
     size_bits: float
     confirmed: bool = True
-    screened: float | None = None
 
 
 @dataclass
@@ -201,10 +199,7 @@ class ConfigSearch:
             degradation = relative(name, function, candidate_of(quantized))
             feasible = math.isfinite(degradation) and degradation <= self.tau
             size = estimated_size_bits(quantized)
-            earlier = cache.get(config)
-            screened = earlier[0].degradation if earlier and not earlier[0].confirmed else None
-            record = Trial(config, degradation, feasible, size, full, screened)
-            cache[config] = (record, quantized)
+            cache[config] = (Trial(config, degradation, feasible, size, full), quantized)
 
         def quantize(config: QuantConfig) -> dict[str, QuantizedTensor]:
             quantized = {}
@@ -343,10 +338,8 @@ class ConfigSearch:
         metrics: tuple[str, ...],
         trial: Callable[[QuantConfig], Trial],
         ceiling: QuantConfig | None,
-        checked: Callable[[QuantConfig], Trial] | None = None,
+        checked: Callable[[QuantConfig], Trial],
     ) -> Trial | None:
-        checked = checked or trial
-
         def allowed(config: QuantConfig) -> bool:
             return ceiling is None or config.at_most_as_aggressive_as(ceiling)
 
