@@ -290,7 +290,8 @@ def fit_segment(
                     degradation=report.degradation,
                     detail="lossless" if config is None else
                     f"{config.bins}b{_type_bins(config)}/p{config.prune:g}"
-                    f"{config.prune_metric[0]}/k{config.protect:g}",
+                    f"{config.prune_metric[0]}/k{config.protect:g}"
+                    f"{'!' if report.search == 'full' else ''}",
                 )
             )  # fmt: skip
     else:
@@ -437,7 +438,10 @@ def verdict(
         f"{ours.restores} restores (>= 5)"
     )
     configs = [s.detail for s in runs["stalwart"].saves]
-    print(f"  stalwart configs per checkpoint (bins/prune+metric/protect): {' '.join(configs)}")
+    print(
+        "  stalwart configs per checkpoint (bins/prune+metric/protect, ! = full search): "
+        + " ".join(configs)
+    )
     measured = " ".join(
         "-" if s.degradation is None else f"{s.degradation:+.3f}" for s in runs["stalwart"].saves
     )

@@ -44,7 +44,10 @@ class ShrinkReport:
     optimizer state of a Lightning checkpoint). ``config`` is None when nothing met ``tau`` and the
     weights were stored losslessly. ``degradation`` (searched saves only) was measured on
     ``degradation_on``: ``"evaluate"`` (the full scoring batches) or ``"screen"`` (an answer the
-    search accepted on the screen within its margin, see ``screen_accept``).
+    search accepted on the screen within its margin, see ``screen_accept``). ``search`` says which
+    search chose ``config``: ``"full"`` (the first checkpoint, or a later one whose neighbourhood
+    had nothing within tau: it may then be more aggressive than the previous checkpoint's) or
+    ``"neighbourhood"`` (never more aggressive); None when ``config`` was given.
     """
 
     path: str
@@ -62,6 +65,7 @@ class ShrinkReport:
     evaluations: int = 0
     screenings: int = 0
     degradation_on: str | None = None
+    search: str | None = None
     chain: ChainState | None = field(default=None, repr=False)
 
     @property
@@ -208,7 +212,7 @@ def save(
             for name, tensor in state_dict.items()
             if name not in analyses and tensor.dtype == torch.float32
         }
-    degradation = degradation_on = None
+    degradation = degradation_on = searched = None
     search_seconds = 0.0
     evaluations = screenings = 0
     if config is not None:
@@ -221,6 +225,7 @@ def save(
         config, quantized, degradation = outcome.config, outcome.quantized, outcome.degradation
         if config is not None:
             degradation_on = "evaluate" if outcome.confirmed else "screen"
+            searched = "full" if outcome.exhaustive else "neighbourhood"
         if config is None:
             rounded = {}  # nothing met tau: every tensor is stored exactly
         search_seconds, evaluations = outcome.seconds, outcome.evaluations
@@ -230,8 +235,8 @@ def save(
         quantized = {name: a.quantize(config) for name, a in analyses.items()}
     return _write(
         state_dict, quantized, set(rounded), path, chain, config, extra, lossy_extra, coder,
-        min_numel, analyses, degradation, degradation_on, start, search_seconds, evaluations,
-        screenings,
+        min_numel, analyses, degradation, degradation_on, searched, start, search_seconds,
+        evaluations, screenings,
     )  # fmt: skip
 
 
@@ -249,6 +254,7 @@ def _write(
     analyses: dict[str, TensorAnalysis],
     degradation: float | None,
     degradation_on: str | None,
+    searched: str | None,
     start: float,
     search_seconds: float,
     evaluations: int,
@@ -290,6 +296,7 @@ def _write(
         "config": None if config is None else config.to_dict(),
         "degradation": degradation,
         "degradation_on": degradation_on,
+        "search": searched,
         "order": list(state_dict),
         "tensors": entries,
         "extra": packed_extra,
@@ -317,6 +324,7 @@ def _write(
         config=config,
         degradation=degradation,
         degradation_on=degradation_on,
+        search=searched,
         weight_bytes=header["weight_bytes"],
         weight_stored=size - extra_stored,
         total_bytes=header["weight_bytes"] + header["extra_bytes"],

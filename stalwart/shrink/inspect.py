@@ -29,6 +29,7 @@ def describe(path: Path) -> dict:
         "config": "lossless" if config is None else QuantConfig.from_dict(config).describe(),
         "degradation": header["degradation"],
         "degradation_on": header.get("degradation_on"),  # absent in older files
+        "search": header.get("search"),  # absent in older files
         "weight_ratio": header["weight_bytes"] / max(weight_stored, 1),
         "total_ratio": (header["weight_bytes"] + header["extra_bytes"]) / container.size,
         "bytes": container.size,
@@ -63,7 +64,7 @@ def inspect(args: argparse.Namespace) -> None:
         print(
             f"{row['file']:32} {row['kind']:8} {row['base'] or '-':32} "
             f"{row['weight_ratio']:7.1f}x {row['total_ratio']:6.1f}x {degradation:>7}  "
-            f"{row['config']}"
+            f"{row['config']}{' (full search)' if row['search'] == 'full' else ''}"
         )
     raw = sum(row["weight_bytes"] for row in rows)
     stored = sum(row["weight_stored"] for row in rows)

@@ -58,7 +58,7 @@ def test_a_tolerant_type_gets_fewer_bins_within_the_bound(tmp_path):
     assert report.ratio > 1.2 * shared.ratio
 
 
-def test_the_ceiling_holds_per_type_and_the_bound_at_every_checkpoint(tmp_path):
+def test_the_neighbourhood_ceiling_holds_per_type_and_the_bound_at_every_checkpoint(tmp_path):
     search = shrink.ConfigSearch(per_type=True)
     weights = _weights(0)
     report, written = _save(
@@ -66,16 +66,18 @@ def test_the_ceiling_holds_per_type_and_the_bound_at_every_checkpoint(tmp_path):
     )
     configs = [report.config]
     assert written <= 0.05 + 1e-9
-    # Now attention becomes sensitive (the search must move) and the linear layer tolerant: a
-    # refinement that ignored the per-type ceiling would give the linear layer fewer bins.
+    # Now attention grows more sensitive (the search must move, within reach of its
+    # neighbourhood) and the linear layer tolerant: a refinement that ignored the per-type
+    # ceiling would give the linear layer fewer bins. (A jump out of the neighbourhood's reach
+    # would send it to the full search, which has no ceiling.)
     for step, sensitivity in enumerate(
-        [{"fc.weight": 0.05, "attn.weight": 60.0}, {"fc.weight": 0.05, "attn.weight": 100.0}]
+        [{"fc.weight": 0.05, "attn.weight": 0.5}, {"fc.weight": 0.05, "attn.weight": 1.0}]
     ):
         weights = {k: v + 0.01 * torch.randn_like(v) for k, v in weights.items()}
         report, written = _save(
             tmp_path, f"{step + 1}.shrunk", weights, sensitivity, search, previous=report
         )
-        assert written <= 0.05 + 1e-9
+        assert written <= 0.05 + 1e-9 and report.search == "neighbourhood"
         configs.append(report.config)
     for before, after in zip(configs, configs[1:], strict=False):
         assert after.at_most_as_aggressive_as(before), (before, after)

@@ -1,4 +1,7 @@
-"""The configuration search: the bound holds at every checkpoint; precision only increases."""
+"""The configuration search: the bound holds at every checkpoint; the neighbourhood search only
+increases precision."""
+
+import argparse
 
 import pytest
 import torch
@@ -6,7 +9,7 @@ from torch import nn
 
 import stalwart.shrink as shrink
 from stalwart.errors import ConfigurationError
-from stalwart.shrink.inspect import describe
+from stalwart.shrink.inspect import describe, inspect
 from stalwart.shrink.partition import QuantConfig
 
 
@@ -53,9 +56,10 @@ def test_bound_holds_and_neighbourhood_never_more_aggressive(tmp_path):
         # the search's own bookkeeping.
         assert report.degradation <= 0.05 + 1e-9
         assert (written - reference) / reference <= 0.05 + 1e-6
-        configs.append(report.config)
+        configs.append((report.config, report.search))
     assert report.evaluations <= 8  # steady state: a handful, not the full search
-    for before, after in zip(configs, configs[1:], strict=False):
+    assert [search for _, search in configs] == ["full"] + ["neighbourhood"] * 5
+    for (before, _), (after, _) in zip(configs, configs[1:], strict=False):
         assert after.at_most_as_aggressive_as(before), (before, after)
 
 
@@ -112,9 +116,9 @@ def test_a_screen_only_guides_the_bound_holds_on_the_scoring_batches(tmp_path):
     ):
         assert report.screenings > 0 and report.degradation_on == "evaluate"
         assert (written - reference) / reference <= 0.01 + 1e-6
-        configs.append(report.config)
-    for before, after in zip(configs, configs[1:], strict=False):
-        assert after.at_most_as_aggressive_as(before), (before, after)
+        configs.append((report.config, report.search))
+    for (before, _), (after, search) in zip(configs, configs[1:], strict=False):
+        assert search == "full" or after.at_most_as_aggressive_as(before), (before, after)
 
 
 class _Counted:
@@ -216,3 +220,41 @@ def test_a_screen_rejection_is_checked_before_a_checkpoint_is_stored_losslessly(
         assert report.config is not None and report.degradation_on == "evaluate"
         assert report.config.at_most_as_aggressive_as(first.config) or previous is None
         assert _squared_error_loss(reference)(shrink.load(report.path)) - 1.0 <= 0.05 + 1e-6
+
+
+def test_when_the_neighbourhood_has_nothing_within_tau_the_full_search_may_go_coarser(
+    tmp_path, capsys
+):
+    # The search sits at 32 levels (as after a climb under a noisy bound). At this checkpoint the
+    # scoring calls every 32-level candidate too lossy — a false alarm, like one image of a small
+    # held-out set near zero loss — though coarser ones are fine. The neighbourhood (32 levels,
+    # more protection) has nothing within tau and does not step past the paper's 32 levels, so
+    # the full search answers, as at a first checkpoint: no ceiling, so the false alarm is not
+    # made permanent. (With 64 levels in the neighbourhood, or a ceiling on the fallback, the
+    # answer would be 64 levels.)
+    weights = {"fc.weight": torch.randn(40, 50, generator=torch.Generator().manual_seed(0))}
+    reference = weights["fc.weight"].clone()
+    squared_error = _squared_error_loss(reference)
+
+    def false_alarm_at_32_levels(state):
+        # 32 levels + the protected values (1, 10 or 18 here) + zero when pruned: 33..51 values.
+        levels_and_protected = state["fc.weight"].unique().numel()
+        return squared_error(state) + (0.2 if 33 <= levels_and_protected <= 51 else 0.0)
+
+    search = shrink.ConfigSearch(tau=0.05)
+    search.load_state_dict({"previous": QuantConfig(bins=32, protect=0.0005).to_dict()})
+    report = shrink.save(
+        weights, tmp_path / "0.shrunk", search=search, tau=0.05, evaluate=false_alarm_at_32_levels
+    )
+    assert report.search == "full" and report.config.bins < 32, report.config
+    assert squared_error(shrink.load(report.path)) - 1.0 <= 0.05 + 1e-6
+    assert describe(tmp_path / "0.shrunk")["search"] == "full"
+    inspect(argparse.Namespace(path=str(tmp_path / "0.shrunk")))
+    assert "(full search)" in capsys.readouterr().out
+    # Back to an honest scoring: the neighbourhood of the new choice, never more aggressive.
+    after = shrink.save(
+        weights, tmp_path / "1.shrunk", previous=report, search=search, tau=0.05,
+        evaluate=squared_error,
+    )  # fmt: skip
+    assert after.search == "neighbourhood"
+    assert after.config.at_most_as_aggressive_as(report.config), (report.config, after.config)
