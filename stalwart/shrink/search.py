@@ -111,6 +111,12 @@ def estimated_size_bits(quantized: Mapping[str, QuantizedTensor]) -> float:
     return bits
 
 
+def _one_step_more(choices: tuple[int, ...], bins: int) -> int | None:
+    """The neighbourhood's next bin count above ``bins``: within the paper's table only (past
+    it, the full search decides; see the module docstring)."""
+    return next((b for b in choices if bins < b <= PAPER_MAX_BINS), None)
+
+
 class ConfigSearch:
     """Stateful search: remembers the last choice between checkpoints.
 
@@ -326,9 +332,9 @@ class ConfigSearch:
                 metric = other.prune_metric
         base = replace(previous, prune_metric=metric if previous.prune > 0 else "magnitude")
         candidates = {base}
-        more_bins = [b for b in BIN_CHOICES if base.bins < b <= PAPER_MAX_BINS]
-        if more_bins:
-            candidates.add(replace(base, bins=more_bins[0]))
+        more_bins = _one_step_more(BIN_CHOICES, base.bins)
+        if more_bins is not None:
+            candidates.add(replace(base, bins=more_bins))
         if base.prune in PRUNE_CHOICES and base.prune > 0:
             lower = PRUNE_CHOICES[PRUNE_CHOICES.index(base.prune) - 1]
             candidates.add(replace(base, prune=lower, prune_metric=base.prune_metric))
@@ -337,9 +343,9 @@ class ConfigSearch:
                 replace(base, protect=PROTECT_CHOICES[PROTECT_CHOICES.index(base.protect) + 1])
             )
         for layer_type, bins in base.type_bins:  # one step more precise for one type alone
-            more = [b for b in bin_choices_for(layer_type) if bins < b <= PAPER_MAX_BINS]
-            if more:
-                candidates.add(base.with_type_bins(layer_type, more[0]))
+            more = _one_step_more(bin_choices_for(layer_type), bins)
+            if more is not None:
+                candidates.add(base.with_type_bins(layer_type, more))
         for config in sorted(candidates, key=lambda candidate: candidate.estimated_bits(shares)):
             if trial(config).feasible:
                 return trial(config)
