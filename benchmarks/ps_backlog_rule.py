@@ -3,10 +3,18 @@
 All k queued gradients were computed on the same (stale) weights w0. Side by side, from the same
 w0 and the same k gradients, the test accuracy after one update of ``w0 - lr * scale * sum``:
 
-* ``mean``     scale 1/k: one large-batch step at the base rate (what ``backlog_scale`` does);
+* ``mean``     scale 1/k: one large-batch step at the base rate (the rule before local steps);
 * ``4/k``      four times that (the gentler rule an earlier version used);
 * ``1/sqrt``   scale 1/sqrt(k): the square-root large-batch scaling;
 * ``sum``      scale 1: every gradient at full rate, as if each were fresh;
+
+and the rules for k gradients that ``--workers`` workers computed on local copies, each
+applying its own gradients as it goes (local SGD from w0, k / workers steps each; what the
+stateless workers do while the PS is down):
+
+* ``traj mean``  scale 1/workers: the mean of the trajectories' end points (what
+  ``backlog_scale`` does now);
+* ``traj sum``   scale 1: every trajectory added in full;
 
 and, for reference, ``fresh``: k ordinary SGD steps, each on a new gradient at the current
 weights (what a live PS would have done with the same work; an upper bound). w0 is reached by
@@ -52,6 +60,7 @@ def main() -> None:
     parser.add_argument("--before", default="40,100,200", help="SGD steps before the outage")
     parser.add_argument("--backlog", default="20,100,300", help="queued gradients k")
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=3, help="local trajectories")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -63,8 +72,9 @@ def main() -> None:
     workload = DigitsWorkload(hidden=512)
     model = workload.model()
     print(f"lr {args.lr}; test accuracy after applying a backlog of k gradients computed on w0")
-    print(f"| seed | steps before | acc(w0) | k | {' | '.join(RULES)} | fresh (k SGD steps) |")
-    print("|---" * (5 + len(RULES)) + "|")
+    print(f"| seed | steps before | acc(w0) | k | {' | '.join(RULES)} | traj mean | traj sum "
+          "| fresh (k SGD steps) |")  # fmt: skip
+    print("|---" * (7 + len(RULES)) + "|")
     for seed in seeds:
         for before in befores:
             torch.manual_seed(seed)
@@ -80,6 +90,18 @@ def main() -> None:
                 after = [
                     _accuracy(workload, model, apply_update(weights, total, args.lr, rule(k)))
                     for rule in RULES.values()
+                ]
+                # Local trajectories: each worker's gradients, at its own moving weights.
+                local_total = torch.zeros_like(weights)
+                for _ in range(args.workers):
+                    local = weights.clone()
+                    for _ in range(k // args.workers):
+                        g = _gradient(workload, model, local, batches)
+                        local = apply_update(local, g, args.lr, 1.0)
+                        local_total += g
+                after += [
+                    _accuracy(workload, model, apply_update(weights, local_total, args.lr, scale))
+                    for scale in (1 / args.workers, 1.0)
                 ]
                 fresh = weights.clone()
                 for _ in range(k):

@@ -59,8 +59,9 @@ class PSConfig:
         checkpoint_every: checkpoint modes save the weights every this many updates.
         replicate_every: chain modes forward the weights to the successor every this many updates.
         replicas: chain length (>= 3).
-        backlog_threshold: an asynchronous apply of more pending gradients than this is one
-            large-batch step (see :func:`stalwart.ps.update.backlog_scale`); 0 means 2 * workers.
+        backlog_threshold: an asynchronous apply of more pending gradients than this is a
+            backlog, merged as the mean of the workers' local trajectories (see
+            :func:`stalwart.ps.update.backlog_scale`); 0 means 2 * workers.
         kills: the failure schedule.
         duration: if > 0, stop the workers after this many seconds of training (``steps`` is
             then only a cap); compares modes at equal wall-clock time, as the paper does.
@@ -132,7 +133,10 @@ class PSConfig:
                 "kill events: schedule all of them by at_gradient or all by at_seconds."
             )
         previous = 0.0
-        for event in self.kills:
+        # Earliest wall-clock time a timed kill can fire: a kill waits until the PS is back from
+        # the previous one, so an earlier outage can push it past the end of the run.
+        earliest = 0.0
+        for number, event in enumerate(self.kills):
             if (event.at_gradient is None) == (event.at_seconds is None):
                 raise ConfigurationError(
                     f"{event}: give exactly one of at_gradient (a gradient count) or at_seconds."
@@ -157,6 +161,17 @@ class PSConfig:
                 )
             if event.downtime < 0:
                 raise ConfigurationError(f"downtime {event.downtime}: must be >= 0 seconds.")
+            if event.at_seconds is not None:
+                fires = max(event.at_seconds, earliest)
+                if self.duration and fires >= self.duration:
+                    down_from = self.kills[number - 1].at_seconds
+                    raise ConfigurationError(
+                        f"the kill at {event.at_seconds} s can never fire: the PS killed at "
+                        f"{down_from} s is down until at least {earliest:g} s, and the run ends "
+                        f"at {self.duration:g} s. Schedule it earlier, shorten the downtimes, "
+                        "or lengthen the run."
+                    )
+                earliest = fires + event.downtime
             allowed = ("head", "secondary") if self.mode.startswith("chain") else ("ps",)
             if not event.targets or any(t not in allowed for t in event.targets):
                 raise ConfigurationError(

@@ -215,17 +215,20 @@ def format_table(results: list[RunResult], target: float) -> str:
     """A markdown table, one row per run."""
     header = (
         "| mode | kills | seed | produced | applied | lost | produced while down "
+        "| updates | largest backlog (gradients / workers) "
         "| worker idle s | worker CPU util | server CPU s | peak RSS PS / worker MB "
         f"| t to {target:.0%} s | final acc |"
     )
-    lines = [header, "|" + "---|" * 13]
+    lines = [header, "|" + "---|" * 15]
     for r in results:
         reach = r.time_to_accuracy(target)
         server_rss = max(r.peak_rss_mb.get("ps", 0), r.peak_rss_mb.get("replica", 0))
+        largest = max(r.backlogs, key=lambda b: b["gradients"], default=None)
+        backlog = "-" if largest is None else f"{largest['gradients']} / {largest['workers']}"
         lines.append(
             f"| {r.config.mode} | {len(r.kills)} | {r.config.seed} | {r.produced} | {r.applied} "
             f"| {r.lost} "
-            f"| {r.produced_during_downtime} | {sum(r.worker_idle):.1f} "
+            f"| {r.produced_during_downtime} | {r.updates} | {backlog} | {sum(r.worker_idle):.1f} "
             f"| {r.worker_cpu_utilisation:.0%} | {r.server_cpu:.1f} "
             f"| {server_rss:.0f} / {r.peak_rss_mb.get('worker', 0):.0f} "
             f"| {'-' if reach is None else f'{reach:.1f}'} | {r.final_accuracy:.3f} |"

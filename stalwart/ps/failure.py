@@ -23,6 +23,11 @@ class Kill:
     killed_at: float | None = None
     restarted_at: float | None = None
     pids: list[int] = field(default_factory=list)
+    #: When the trigger was first reached (epoch seconds).
+    due_at: float | None = None
+    #: The trigger was reached while the server was down or still recovering from the previous
+    #: kill, so the kill waited until it was up again (two kills never land on one outage).
+    deferred: bool = False
 
 
 class FailureInjector:
@@ -66,21 +71,32 @@ class FailureInjector:
         now = time.time() if now is None else now
         for kill in self.kills:
             if kill.killed_at is not None and kill.restarted_at is None:
-                if now - kill.killed_at >= kill.event.downtime:
-                    self._restart(kill.event.targets)
-                    kill.restarted_at = time.time()
-                return
+                if now - kill.killed_at < kill.event.downtime:
+                    return
+                self._restart(kill.event.targets)
+                kill.restarted_at = time.time()
+                continue  # the next kill may be due already: it waits for the recovery
             if kill.killed_at is None:
-                if self._due(kill.event, produced, now) and self._server_up():
-                    kill.pids = self._kill(kill.event.targets)
-                    kill.killed_at = time.time()
-                    kill.produced = produced
+                if self._due(kill.event, produced, now):
+                    if kill.due_at is None:
+                        kill.due_at = now
+                    if self._server_up():
+                        kill.pids = self._kill(kill.event.targets)
+                        kill.killed_at = time.time()
+                        kill.produced = produced
+                    else:
+                        kill.deferred = True
                 return
 
     def _due(self, event: KillEvent, produced: int, now: float) -> bool:
         if event.at_seconds is not None:
             return now - self.started >= event.at_seconds
         return event.at_gradient is not None and produced >= event.at_gradient
+
+    @property
+    def waiting(self) -> bool:
+        """A kill is due but deferred until the server is up again: the run must not end yet."""
+        return any(k.due_at is not None and k.killed_at is None for k in self.kills)
 
     def unfired(self) -> list[KillEvent]:
         """Events that never fired (the run ended first)."""

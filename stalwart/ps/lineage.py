@@ -23,7 +23,8 @@ from stalwart.ps.wire import unpack, unpack_header, vector_view
 @dataclass
 class Record:
     """One committed update: its ref ``epoch/version``, gradient ids, lr, scale, and the queue
-    cursors after it (gradients ``(w, k)`` with ``k < cursors[w]`` were taken)."""
+    cursors after it (gradients ``(w, k)`` with ``k < cursors[w]`` were taken); ``merged`` > 0
+    marks a backlog merged as the mean of that many workers' local trajectories."""
 
     ref: str
     ids: list[tuple[int, int]]
@@ -32,6 +33,7 @@ class Record:
     parent: str
     t: float
     cursors: list[int]
+    merged: int = 0
 
 
 def head_state(store: KeyValueStore) -> tuple[str, dict, torch.Tensor]:
@@ -51,7 +53,7 @@ def walk(store: KeyValueStore, ref: str) -> list[Record]:
         data = json.loads(raw)
         records.append(
             Record(ref, [tuple(i) for i in data["ids"]], data["lr"], data["scale"],
-                   data["parent"], data["t"], data["cursors"])
+                   data["parent"], data["t"], data["cursors"], data.get("merged", 0))
         )  # fmt: skip
         ref = data["parent"]
     return records[::-1]

@@ -71,6 +71,10 @@ class RunResult:
     applied: int = 0
     lost: int = 0
     duplicates: int = 0
+    #: Optimizer updates on the committed lineage (an update may consume many gradients).
+    updates: int = 0
+    #: Updates that merged a backlog: ``{"ref", "gradients", "workers", "scale"}`` each.
+    backlogs: list[dict] = field(default_factory=list)
     produced_during_downtime: int = 0
     worker_idle: list[float] = field(default_factory=list)
     worker_cpu_utilisation: float = 0.0
@@ -99,6 +103,11 @@ class RunResult:
             "mode": self.config.mode, "kills": len(self.kills), "wall_s": round(self.wall, 2),
             "produced": self.produced, "applied": self.applied, "lost": self.lost,
             "applied_twice": self.duplicates, "during_downtime": self.produced_during_downtime,
+            "updates": self.updates,
+            "backlog_updates": [
+                {"gradients": b["gradients"], "workers": b["workers"]} for b in self.backlogs
+            ],
+            "deferred_kills": sum(bool(k.get("deferred")) for k in self.kills),
             "worker_idle_s": round(sum(self.worker_idle), 2),
             "worker_cpu_util": round(self.worker_cpu_utilisation, 3),
             "server_cpu_s": round(self.server_cpu, 2),
@@ -136,6 +145,9 @@ class Run:
         self.server_pids: dict[int, int] = {}  # replica index (0 for a plain PS) -> pid
         self.store_pid: int | None = None
         self.produced = 0
+        self.worker_pids: list[int] = []
+        #: The PS is up only once an incarnation at least this new serves (set by each kill).
+        self.next_epoch = 1
         self.t0 = time.time()
         self.chain = config.mode.startswith("chain")
         run_dir = os.path.abspath(config.run_dir)
@@ -278,10 +290,19 @@ class Run:
         version = [int(part) for part in json.loads(self.store.get(layout.HEAD))["key"].split("/")]
         epoch = self.store.add(layout.EPOCH, 0)
         raw = self.store.get(layout.event(epoch)) if epoch >= 1 else None
-        if raw is None or version[0] != epoch:
+        # Until the replacement has taken its epoch, the newest one is the killed incarnation's.
+        if raw is None or version[0] != epoch or epoch < self.next_epoch:
             return False
-        serving = epoch == 1 or version[1] > json.loads(raw)["version"]
+        serving = (
+            epoch == 1
+            or version[1] > json.loads(raw)["version"]
+            # Once the workers are done a recovered PS may have nothing left to apply: it is up.
+            or (self._workers_finished() and self._drained())
+        )
         return serving and (not self.chain or len(self._chain_copies()) >= self.config.replicas)
+
+    def _workers_finished(self) -> bool:
+        return bool(self.worker_pids) and all(not self._alive(p) for p in self.worker_pids)
 
     def _chain_copies(self) -> list[int]:
         """The live replicas from the head down the successor links that hold the weights."""
@@ -317,6 +338,7 @@ class Run:
 
     def kill(self, targets: tuple[str, ...]) -> list[int]:
         pids = [self.server_pids[i] for i in self._targets(targets)]
+        self.next_epoch = self.store.add(layout.EPOCH, 0) + 1
         self._sample_memory()  # the last chance to see the victims' peak memory
         # Downstream first: a secondary that outlived its head by a moment could take over.
         for pid in reversed(pids):
@@ -402,7 +424,7 @@ class Run:
         self._start_servers()
         injector = FailureInjector(config.kills, self.kill, self.restart, self.server_up)
         self._recovered: set[int] = set()
-        workers = [self._spawn("worker", str(w)) for w in range(config.workers)]
+        workers = self.worker_pids = [self._spawn("worker", str(w)) for w in range(config.workers)]
         self.spares: list[tuple[str, int]] = []
         self.used_spares: list[tuple[str, int]] = []
         # One ready spare per process the schedule will kill: no restart waits for an import.
@@ -444,9 +466,13 @@ class Run:
                     )
                 self._check_servers(injector)
                 self._check_recovery(injector, now)
+                # A kill whose trigger passed while the PS was down fires once it is up again,
+                # even if the workers have finished by then (a stateless run can produce all
+                # its gradients during an outage).
                 if (
                     all(self.procs[p].exit_code is not None for p in workers)
                     and not injector.pending
+                    and not injector.waiting
                 ):
                     break
                 time.sleep(0.01)
@@ -564,6 +590,12 @@ class Run:
         result.applied = len(set(applied_ids))
         result.duplicates = len(applied_ids) - len(set(applied_ids))
         result.lost = len(produced_ids - set(applied_ids))
+        result.updates = len(lineage)
+        result.backlogs = [
+            {"ref": r.ref, "gradients": len(r.ids), "workers": r.merged, "scale": r.scale}
+            for r in lineage
+            if r.merged
+        ]
         epochs = self.store.add(layout.EPOCH, 0)
         for epoch in range(1, epochs + 1):
             raw = self.store.get(layout.event(epoch))
@@ -581,7 +613,8 @@ class Run:
                 "targets": list(kill.event.targets),
                 "produced_at_kill": kill.produced, "killed": kill.killed_at - self.t0,
                 "restarted": kill.restarted_at - self.t0, "recovered": recovered - self.t0,
-                "pids": kill.pids,
+                "pids": kill.pids, "deferred": kill.deferred,
+                "due": None if kill.due_at is None else kill.due_at - self.t0,
             })  # fmt: skip
             result.produced_during_downtime += sum(
                 kill.killed_at <= t <= recovered for r in reports for _, t, _ in r["pushed"]

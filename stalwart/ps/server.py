@@ -191,14 +191,21 @@ class ParameterServer:
             )
         self.head_raw, self.head_key = desired, key
 
-    def _apply(self, ids: list[list[int]], total: torch.Tensor, scale: float) -> None:
+    def _apply(
+        self, ids: list[list[int]], total: torch.Tensor, scale: float, merged: int = 0
+    ) -> None:
+        """Apply and commit one update; ``merged`` > 0 marks a backlog merged as the mean of
+        that many workers' trajectories (the audit and the run's counters report it)."""
         parent = self.ref
         self.weights = apply_update(self.weights, total, self.config.lr, scale)
         self.version += 1
-        blob = self._commit({
+        record = {
             "ids": ids, "lr": self.config.lr, "scale": scale, "parent": parent, "t": time.time(),
             "cursors": self.cursors,
-        })  # fmt: skip
+        }  # fmt: skip
+        if merged:
+            record["merged"] = merged
+        blob = self._commit(record)
         mode = self.config.mode
         if mode.startswith("checkpoint") and self.version % self.config.checkpoint_every == 0:
             self._save_checkpoint()
@@ -247,7 +254,10 @@ class ParameterServer:
         self.discarded += len(keys) - len(ids)
         self.cursors = list(counts)
         if total is not None:
-            self._apply(ids, total, backlog_scale(len(ids), self.config.threshold))
+            workers = len({w for w, _ in ids})
+            backlog = len(ids) > self.config.threshold
+            scale = backlog_scale(len(ids), workers, self.config.threshold)
+            self._apply(ids, total, scale, merged=workers if backlog else 0)
         else:
             self._move_head(self.head_key)  # acknowledge the discarded ones to waiting workers
         self._forget(keys)

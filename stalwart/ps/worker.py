@@ -5,8 +5,11 @@ How a worker waits is the mode's consistency model:
   the gradient was computed on (a PS that is down leaves the worker idle);
 - asynchronous checkpoint/chain modes: wait until the PS has taken the gradient (the reply of a
   push to a stateful server; a dead server never replies, so the worker idles);
-- stateless: never wait. Keep computing on the newest weights in the store, whether or not a PS
-  is alive; every gradient is applied once the PS is back.
+- stateless: never wait. Each gradient is also applied to the worker's own copy of the weights
+  (a local SGD step), and the next one is computed there, until the PS commits new weights, which
+  replace the copy. While the PS is down the copy walks a real SGD trajectory from the last
+  committed weights; the recovered PS applies every queued gradient exactly once, merging the
+  workers' trajectories as their mean (:func:`stalwart.ps.update.backlog_scale`).
 
 Every gradient carries its id ``(worker, step)``; the worker's report lists when each was pushed,
 the seconds it spent waiting for the PS and how often it had to retry the store.
@@ -73,6 +76,10 @@ class Worker:
         torch.manual_seed(config.seed * 1000 + index)  # dropout masks differ per worker
         self.batches = self.workload.batches(index, config.seed)
         self.head_key = ""
+        #: The audit ref of the committed weights the local copy started from, and how many local
+        #: steps it has taken since (stateless mode).
+        self.base_ref = ""
+        self.local_steps = 0
         self.idle = 0.0
         self.pushed: list[list] = []
 
@@ -87,10 +94,24 @@ class Worker:
         blob = self.store.get(layout.state(head["key"]))
         if blob is None:
             return False
-        _, weights = unpack(blob)
-        unflatten_into(self.model, weights)
+        header, weights = unpack(blob)
         self.head_key = head["key"]
+        if header["log"] == self.base_ref:
+            # A recovered PS re-published the weights we started from (a new key, no new update):
+            # keep the local steps taken since, they are queued to be merged.
+            return True
+        unflatten_into(self.model, weights)
+        self.base_ref, self.local_steps = header["log"], 0
         return True
+
+    def _local_step(self) -> None:
+        """SGD on the local copy with this run's rate, as the PS would apply the gradient."""
+        lr = self.config.lr
+        with torch.no_grad():
+            for parameter in self.model.parameters():
+                if parameter.grad is not None:
+                    parameter.add_(parameter.grad, alpha=-lr)
+        self.local_steps += 1
 
     def _wait(self, ready) -> None:
         started = time.monotonic()
@@ -127,7 +148,10 @@ class Worker:
                 continue
             base = self.head_key
             grad = self._gradient()
-            header = {"w": self.index, "k": step, "base": base, "t": time.time()}
+            header = {
+                "w": self.index, "k": step, "base": base, "local": self.local_steps,
+                "t": time.time(),
+            }  # fmt: skip
             self.store.set(layout.gradient(self.index, step), pack(header, grad))
             # Only this worker writes its count, so a retried set cannot double-count.
             self.store.set(layout.count(self.index), str(step + 1).encode())
@@ -139,6 +163,8 @@ class Worker:
                 self._wait(lambda head, base=base: head["key"] != base)
             elif mode != "stateless":
                 self._wait(lambda head, k=k: head["cursors"][self.index] > k)
+            else:
+                self._local_step()
         self.store.set(layout.done(self.index), b"1")
 
     def report(self, error: str | None = None) -> dict:

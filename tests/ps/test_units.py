@@ -68,9 +68,11 @@ def test_run_directory_in_use_is_refused(tmp_path):
     assert (tmp_path / "checkpoint.pt").read_bytes() == b"someone else's"
 
 
-def test_backlog_scale_lowers_the_rate_only_for_a_large_backlog():
-    assert backlog_scale(3, 4) == 1.0
-    assert backlog_scale(40, 4) == pytest.approx(1 / 40)  # the backlog's mean, at the base rate
+def test_backlog_scale_merges_a_large_backlog_as_the_mean_of_the_workers_trajectories():
+    assert backlog_scale(3, 2, 4) == 1.0  # a few pending gradients: asynchronous SGD
+    # 443 gradients from 3 workers' local trajectories: their mean, not one step of 443.
+    assert backlog_scale(443, 3, 6) == pytest.approx(1 / 3)
+    assert backlog_scale(40, 1, 4) == 1.0  # one worker's trajectory is kept whole
 
 
 def test_update_rule_and_wire_roundtrip():

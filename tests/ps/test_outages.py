@@ -1,0 +1,103 @@
+"""Long outages: the stateless PS turns the work done while it was down into progress.
+
+Real processes and real SIGKILLs, as in ``test_failures.py``; the audit trail in the store
+(``keep_gradients=True``) checks every claim on the weights themselves.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from stalwart.errors import ConfigurationError
+from stalwart.ps.config import KillEvent, PSConfig
+from stalwart.ps.runner import run_training
+
+SMALL = {"hidden": 32, "batch_size": 16, "keep_gradients": True}
+
+
+def _during(result, kill: dict) -> int:
+    """Gradients pushed while the PS was down (between the kill and the recovery)."""
+    return sum(
+        kill["killed"] <= t - result.started_at <= kill["recovered"]
+        for report in result.reports
+        for _, t, _ in report["pushed"]
+    )
+
+
+def test_stateless_beats_checkpointing_when_the_run_ends_right_after_long_outages(tmp_path):
+    # Two 1.5 s outages; the run stops 0.3 s after the second restart. Both modes are killed at
+    # the same wall-clock times and train for the same time.
+    downtime, kills_at = 1.5, (1.0, 3.5)
+    duration = kills_at[-1] + downtime + 0.3
+    results = {}
+    for mode in ("stateless", "checkpoint-async"):
+        config = PSConfig(
+            mode=mode, workers=2, steps=100_000, duration=duration, lr=0.1, seed=3,
+            kills=[KillEvent(at_seconds=t, downtime=downtime) for t in kills_at],
+            run_dir=str(tmp_path / mode), **SMALL,
+        )  # fmt: skip
+        results[mode] = run_training(config)
+    stateless, checkpoint = results["stateless"], results["checkpoint-async"]
+
+    for kill in stateless.kills:
+        assert _during(stateless, kill) >= 200  # a real backlog piled up in each outage
+    assert duration - stateless.kills[-1]["recovered"] <= 0.5  # the run ended right after
+    # Every gradient applied exactly once, and the weights are the replay of the audit log.
+    assert stateless.lost == 0 and stateless.duplicates == 0
+    assert stateless.applied == stateless.produced
+    assert stateless.weights_verified is True
+    # Each outage's backlog became the mean of the two workers' local trajectories: an update
+    # that consumed hundreds of gradients at scale 1/2 (the old rule: 1/backlog, one SGD step).
+    assert len(stateless.backlogs) >= 2
+    for backlog in sorted(stateless.backlogs, key=lambda b: -b["gradients"])[:2]:
+        assert backlog["gradients"] >= 200 and backlog["workers"] == 2
+        assert backlog["scale"] == 0.5
+    assert stateless.updates < stateless.applied  # counters tell updates from gradients
+    summary = stateless.summary()
+    assert summary["updates"] == stateless.updates
+    assert max(b["gradients"] for b in summary["backlog_updates"]) >= 200
+    # The point of it all: the outages' work is progress.
+    assert stateless.final_accuracy >= checkpoint.final_accuracy
+
+
+def test_a_kill_passed_while_the_ps_is_down_is_deferred_and_the_final_backlog_merged(tmp_path):
+    # 2 workers x 120 steps: they never wait, so they produce all 240 gradients during the first
+    # 2 s outage (the backlog ends the run). The second kill's trigger (gradient 150) is passed
+    # while the PS is down: it fires once the PS is back, after the workers have finished.
+    config = PSConfig(
+        mode="stateless", workers=2, steps=120, lr=0.1,
+        kills=[KillEvent(40, 2.0), KillEvent(150, 0.5)], run_dir=str(tmp_path / "run"), **SMALL,
+    )  # fmt: skip
+    result = run_training(config)
+    first, second = result.kills
+    assert not first["deferred"] and second["deferred"]
+    assert second["killed"] > first["recovered"]  # never on top of the first outage
+    assert second["produced_at_kill"] == 240  # the workers had finished
+    assert result.produced == result.applied == 240 and result.lost == 0
+    assert result.duplicates == 0 and result.weights_verified is True
+    assert result.summary()["deferred_kills"] == 1
+    # The backlog that ended the run was merged like one in the middle: both trajectories.
+    assert max(b["gradients"] for b in result.backlogs) >= 150
+    assert {b["workers"] for b in result.backlogs} == {2}
+    assert [e["source"] for e in result.recoveries] == ["store"] * 3
+
+
+def test_a_kill_list_that_cannot_fire_is_rejected_before_any_process_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    config = PSConfig(
+        mode="stateless", duration=5.0, run_dir=str(run_dir),
+        kills=[KillEvent(at_seconds=2.0, downtime=3.5), KillEvent(at_seconds=4.0, downtime=0.5)],
+    )  # fmt: skip
+    with pytest.raises(ConfigurationError, match=r"4.0 s can never fire.*down until at least 5.5"):
+        run_training(config)
+    assert not os.path.exists(run_dir)  # nothing started, nothing written
+
+
+def test_a_deferred_kill_that_still_fits_the_run_is_accepted():
+    config = PSConfig(
+        duration=10.0,
+        kills=[KillEvent(at_seconds=2.0, downtime=3.0), KillEvent(at_seconds=4.0, downtime=1.0)],
+    )
+    config.validate()  # fires at 5 s at the earliest, before the end
