@@ -28,11 +28,16 @@ def _ids(result) -> dict[tuple[int, int], float]:
 
 
 def test_stateless_ps_survives_sigkill_and_a_store_outage(tmp_path):
+    # Long enough that the workers are still producing when the PS is back after a short outage
+    # (they produce a few hundred gradients a second, so a long outage would outlast the run).
+    steps, total = 400, 800
     outage: dict = {}
 
     def stop_the_store(run):
-        # After the PS came back, freeze the store (SIGSTOP) for longer than an operation's
-        # timeout: every client must retry with backoff, then carry on.
+        # After the PS came back (and served an update of its own), freeze the store (SIGSTOP)
+        # for longer than an operation's timeout: every client must retry with backoff, then
+        # carry on.
+        # (Before the kill at gradient 40 the PS is up too: wait until well past it.)
         if "started" not in outage and run.produced >= 160 and run.server_up():
             outage["started"] = run.produced
             os.kill(run.store_pid, signal.SIGSTOP)
@@ -51,15 +56,15 @@ def test_stateless_ps_survives_sigkill_and_a_store_outage(tmp_path):
                 audit["replayed"] = replay(run.store, walk(run.store, record.ref))
 
     config = PSConfig(
-        mode="stateless", workers=2, steps=150, kills=[KillEvent(40, 2.0)],
+        mode="stateless", workers=2, steps=steps, kills=[KillEvent(40, 0.5)],
         run_dir=str(tmp_path / "run"), store_patience=20, **SMALL,
     )  # fmt: skip
     result = run_training(config, hook=stop_the_store, inspect=inspect)
 
     # No gradient lost or applied twice, by gradient id; the weights are the replay of the audit.
     produced = _ids(result)
-    assert len(produced) == result.produced == 300
-    assert result.applied == 300 and result.lost == 0 and result.duplicates == 0
+    assert len(produced) == result.produced == total
+    assert result.applied == total and result.lost == 0 and result.duplicates == 0
     assert result.weights_verified is True
     # Workers never blocked, and kept producing while the PS was down.
     assert result.worker_idle == [0.0, 0.0]
@@ -83,7 +88,7 @@ def test_stateless_ps_survives_sigkill_and_a_store_outage(tmp_path):
     # retried (a request that times out is retried with backoff and logged; a large send is
     # simply held by TCP until the store resumes) and the run went on with the weights intact
     # (verified above). Giving up after the patience is tested with a store killed for good.
-    assert outage.get("started", 300) < 300
+    assert outage.get("started", total) < total
     logs = "".join(p.read_text() for p in (tmp_path / "run").glob("*.log"))
     if "unreachable during" in logs:
         assert "answers again" in logs
