@@ -13,7 +13,8 @@ both. It writes ``results.json`` (after every run, so an interrupted matrix keep
 ``table.md`` and ``accuracy.png`` (accuracy vs wall-clock time per cell, first seed) to ``--out``.
 
 Run: ``.venv/bin/python benchmarks/ps_outage_matrix.py --out ps_matrix`` (~50 min on 2 cores;
-``--quick``: one seed, two downtimes, for a smoke test).
+``--quick``: one seed, two downtimes, for a smoke test; ``--resume`` completes an interrupted
+matrix from its ``results.json``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import time
 
@@ -50,11 +52,16 @@ def run_one(out: str, mode: str, workload: str, downtime: float, end: str, seed:
     hidden, batch = WORKLOADS[workload]
     duration, times = schedule(downtime, end)
     targets = ("head",) if mode.startswith("chain") else ("ps",)
+    run_dir = os.path.join(out, f"{workload}-{end}-{downtime}s-{mode}-seed{seed}")
+    if args.resume and os.path.isdir(run_dir):
+        # Not in results.json, so the matrix was interrupted during this run: start it again.
+        print(f"removing the interrupted run {run_dir}", flush=True)
+        shutil.rmtree(run_dir)
     config = PSConfig(
         mode=mode, workers=args.workers, steps=STEP_CAP, duration=duration, hidden=hidden,
         batch_size=batch, lr=args.lr, seed=seed,
         kills=[KillEvent(at_seconds=t, downtime=downtime, targets=targets) for t in times],
-        run_dir=os.path.join(out, f"{workload}-{end}-{downtime}s-{mode}-seed{seed}"),
+        run_dir=run_dir,
     )  # fmt: skip
     return run_training(config)
 
@@ -165,6 +172,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--target", type=float, default=0.7)
     parser.add_argument("--quick", action="store_true", help="one seed, outages 0.2 and 2 s")
+    parser.add_argument("--resume", action="store_true", help="keep --out's finished runs")
     args = parser.parse_args()
     if args.quick:
         args.seeds, args.downtimes = 1, "0.2,2"
@@ -177,10 +185,17 @@ def main() -> None:
         for downtime in args.downtimes.split(",")
     ]
     rows: list[dict] = []
+    results = os.path.join(out, "results.json")
+    if args.resume and os.path.exists(results):
+        with open(results) as handle:
+            rows = json.load(handle)["runs"]
+    done = {(r["workload"], r["end"], r["downtime"], r["mode"], r["seed"]) for r in rows}
     started, total = time.time(), args.seeds * len(grid) * len(MODES)
     for seed in range(args.seeds):
         for workload, end, downtime in grid:
             for mode in MODES:
+                if (workload, end, downtime, mode, seed) in done:
+                    continue
                 result = run_one(out, mode, workload, downtime, end, seed, args)
                 summary = result.summary()
                 # Failure-free gradient rate: the gradients produced before the first kill.
@@ -199,8 +214,7 @@ def main() -> None:
                       f"backlogs {rows[-1]['backlogs']}", flush=True)  # fmt: skip
                 with open(os.path.join(out, "results.json.tmp"), "w") as handle:
                     json.dump({"args": vars(args), "runs": rows}, handle)
-                os.replace(os.path.join(out, "results.json.tmp"),
-                           os.path.join(out, "results.json"))  # fmt: skip
+                os.replace(os.path.join(out, "results.json.tmp"), results)
     table, every = summarise(rows, args.target)
     verdict = "PASS" if every else "FAIL"
     text = (f"{table}\n\nstateless at least as good as checkpoint-async (median final accuracy "
