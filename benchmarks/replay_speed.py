@@ -122,6 +122,8 @@ def main() -> None:
           f"values equal the probed retraining: {same_outer}")  # fmt: skip
     print(f"inner replay workers=2 / workers=1: {parallel_s / serial_s:.2f}x (target <= 0.65x); "
           f"values identical: {same_inner}")  # fmt: skip
+    print(f"series differing from the record: {len(serial.mismatches)} (workers=1), "
+          f"{len(parallel.mismatches)} (workers=2)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from stalwart.hindsight.materializer import (
     WriteJob,
     make_materializer,
 )
+from stalwart.hindsight.numerics import NUMERICS_KEY, capture_numerics
 from stalwart.hindsight.policy import (
     DEFAULT_EPSILON,
     DEFAULT_RESTORE_RATIO,
@@ -126,6 +127,8 @@ class Recorder:
                 "epsilon": self.policy.epsilon,
                 "restore_ratio": self.policy.restore_ratio,
                 "materializer": self.materializer.name,
+                # What decides the run's floating-point results: replay restores it.
+                NUMERICS_KEY: capture_numerics(),
                 **config,
             },
         )

@@ -9,9 +9,8 @@ Lightning and Composer adapters supply only the function that replays one segmen
 from __future__ import annotations
 
 import json
-import math
 import multiprocessing
-import os
+import threading
 import time
 import uuid
 import warnings
@@ -19,23 +18,60 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from stalwart.errors import ConfigurationError, ReplayError
 from stalwart.hindsight.checkpoint_file import verify_checkpoint
 from stalwart.hindsight.fingerprint import hook_fingerprints
+from stalwart.hindsight.numerics import NUMERICS_KEY, recorded_numerics, restore_numerics
 from stalwart.hindsight.plan import Segment, plan_replay
 from stalwart.hindsight.store import CheckpointEntry, HindsightStore, Run
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Mismatch:
-    """A recorded metric the replay did not reproduce (Flor's deferred correctness check)."""
+    """A recorded metric the replay did not reproduce (Flor's deferred correctness check).
+
+    Printed, it is a one-line summary (how many values differ, the first, the largest
+    difference); the full series stay in ``recorded`` and ``replayed``.
+    """
 
     name: str
     epoch: int
     recorded: list[float]
     replayed: list[float]
+
+    @property
+    def differing(self) -> np.ndarray:
+        """Indices (in the shorter series) whose values differ; NaN equals NaN here."""
+        n = min(len(self.recorded), len(self.replayed))
+        a, b = np.asarray(self.recorded[:n], float), np.asarray(self.replayed[:n], float)
+        return np.flatnonzero((a != b) & ~(np.isnan(a) & np.isnan(b)))
+
+    @property
+    def max_difference(self) -> float:
+        """The largest absolute difference of the compared values (0.0: only lengths differ)."""
+        index = self.differing
+        if index.size == 0:
+            return 0.0
+        a, b = np.asarray(self.recorded, float), np.asarray(self.replayed, float)
+        return float(np.nanmax(np.abs(a[index] - b[index]), initial=0.0))
+
+    def __repr__(self) -> str:
+        index = self.differing
+        parts = [f"{self.name!r} epoch {self.epoch}: {index.size} of {len(self.recorded)} differ"]
+        if index.size:
+            first = int(index[0])
+            parts.append(
+                f"first at {first} ({self.recorded[first]!r} recorded, "
+                f"{self.replayed[first]!r} replayed), max |difference| {self.max_difference:.3g}"
+            )
+        if len(self.recorded) != len(self.replayed):
+            parts.append(f"{len(self.recorded)} recorded vs {len(self.replayed)} replayed values")
+        return f"Mismatch({', '.join(parts)})"
+
+    __str__ = __repr__
 
 
 @dataclass
@@ -141,22 +177,29 @@ def run_segments(
     each with an equal share of the cores. Each segment stores its work in ``replay_work``.
     """
     replay_id = uuid.uuid4().hex[:12]
+    numerics = setup.run.config.get(NUMERICS_KEY, {})
     started = time.perf_counter()
-    if len(segments) == 1:
-        replay_segment(0, segments[0], replay_id)
-    else:
-        context = multiprocessing.get_context("fork")
-        threads = max(1, (os.cpu_count() or 1) // len(segments))
-        processes = [
-            context.Process(
-                target=_worker_main, args=(threads, replay_segment, index, segment, replay_id)
-            )
-            for index, segment in enumerate(segments)
-        ]
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join()
+    # Every segment computes with the record's settings (threads included, even if the workers
+    # then share the cores): a reduction split over 2 threads sums differently than over 1.
+    with recorded_numerics(numerics):
+        if len(segments) == 1:
+            replay_segment(0, segments[0], replay_id)
+        else:
+            context = multiprocessing.get_context("fork")
+            processes = [
+                context.Process(
+                    target=_worker_main, args=(numerics, replay_segment, index, segment, replay_id)
+                )
+                for index, segment in enumerate(segments)
+            ]
+            # Forked from a thread that never ran a parallel region: OpenMP's worker pool belongs
+            # to the thread that used it, and a child forked from that thread waits forever for
+            # pool threads that fork did not copy (as soon as it runs with more than 1 thread).
+            starter = threading.Thread(target=lambda: [p.start() for p in processes])
+            starter.start()
+            starter.join()
+            for process in processes:
+                process.join()
     seconds = time.perf_counter() - started
 
     store, recorded_run = setup.store, setup.run
@@ -171,22 +214,29 @@ def run_segments(
     result.mismatches = deferred_check(store, recorded_run.run_id, replay_id, setup.wanted)
     if result.mismatches:
         first = result.mismatches[0]
+        hint = (
+            "State the checkpoints missed may differ; try init='strong'."
+            if numerics
+            else "The record predates stored numerics settings (torch threads, deterministic "
+            "flags), so the replay may compute differently; re-record to compare exactly."
+        )
         warnings.warn(
             f"replay {replay_id} of {recorded_run.name} does not reproduce {len(result.mismatches)}"
-            f" recorded value series, first {first.name!r} at epoch {first.epoch}: recorded "
-            f"{first.recorded[:3]}, replayed {first.replayed[:3]}. State the checkpoints missed "
-            "may differ; try init='strong'.",
+            f" recorded value series, first {first}. {hint}",
             stacklevel=4,
         )
     return result
 
 
 def _worker_main(
-    threads: int, replay_segment: Callable, index: int, segment: Segment, replay_id: str
+    numerics: Mapping[str, Any],
+    replay_segment: Callable,
+    index: int,
+    segment: Segment,
+    replay_id: str,
 ) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
+    # Set again in the child: a forked process's thread pool does not carry the parent's setting.
+    restore_numerics(numerics)
     replay_segment(index, segment, replay_id)
 
 
@@ -206,10 +256,7 @@ def deferred_check(
         replayed = group[group.source == "replay"].value.tolist()
         if not recorded or not replayed:
             continue  # only one side logged it: a new probe, or a memoized training metric
-        same = len(recorded) == len(replayed) and all(
-            a == b or (math.isnan(a) and math.isnan(b))
-            for a, b in zip(recorded, replayed, strict=False)
-        )
-        if not same:
-            mismatches.append(Mismatch(name, int(epoch), recorded, replayed))
+        candidate = Mismatch(name, int(epoch), recorded, replayed)
+        if len(recorded) != len(replayed) or candidate.differing.size:
+            mismatches.append(candidate)
     return mismatches
