@@ -105,13 +105,12 @@ def _replay(args: argparse.Namespace, rest: list[str]) -> None:
     )  # fmt: skip
     result = cli.trainer.replay(
         cli.model, cli.datamodule, probe=probe, run=args.run, epochs=parse_epochs(args.epochs),
-        workers=args.workers, init=args.init,
+        workers=args.workers, init=args.init, dry_run=args.dry_run,
     )  # fmt: skip
-    print(
-        f"replay {result.replay_id} of {result.run.name}: {result.level}-loop, "
-        f"{len(result.segments)} segment(s), {result.batches_executed} training batches, "
-        f"{result.seconds:.2f}s, {len(result.mismatches)} mismatch(es)"
-    )
+    if args.dry_run:
+        print(result)
+        return
+    print(result.summary())
     logged = result.run.store.query(
         "SELECT DISTINCT name FROM metrics WHERE replay_id = ? ORDER BY name", (result.replay_id,)
     ).name.tolist()
@@ -119,8 +118,7 @@ def _replay(args: argparse.Namespace, rest: list[str]) -> None:
         by_epoch = result.metrics(name).groupby("epoch").value.agg(["count", "mean", "last"])
         print(f"\n{name} (per epoch):\n{by_epoch.to_string()}")
     for mismatch in result.mismatches:
-        print(f"MISMATCH {mismatch.name} epoch {mismatch.epoch}: recorded "
-              f"{mismatch.recorded[:3]} replayed {mismatch.replayed[:3]}")  # fmt: skip
+        print(f"MISMATCH {mismatch}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--workers", type=int, default=1)
     replay.add_argument("--run", default=None, help="run name (default: the latest)")
     replay.add_argument("--init", choices=["weak", "strong"], default="weak")
+    replay.add_argument(
+        "--dry-run", action="store_true", help="print the plan and its estimated cost; run nothing"
+    )
     replay.set_defaults(func=None)
     from stalwart.pipeline import cli as pipeline_cli
 

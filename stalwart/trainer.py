@@ -10,11 +10,13 @@ from typing import Any
 import lightning as L
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import Callback, Checkpoint
+from lightning.pytorch.utilities import rank_zero_info
 
 from stalwart.callbacks.hindsight import HindsightCallback
 from stalwart.callbacks.replay import FunctionProbe, ReplayDriver, probe_level
 from stalwart.errors import ConfigurationError
 from stalwart.hindsight import replay as core
+from stalwart.hindsight.estimate import ReplayEstimate
 from stalwart.hindsight.plan import Segment
 from stalwart.hindsight.replay import Mismatch, ReplayResult
 
@@ -47,7 +49,8 @@ class Trainer(L.Trainer):
         epochs: Iterable[int] | None = None,
         workers: int = 1,
         init: str = "weak",
-    ) -> ReplayResult:
+        dry_run: bool = False,
+    ) -> ReplayResult | ReplayEstimate:
         """Replay a recorded run, re-executing only what the probes (or module edits) need.
 
         Args:
@@ -61,6 +64,13 @@ class Trainer(L.Trainer):
             workers: parallel worker processes, each replaying a contiguous segment.
             init: ``"weak"`` (resume from the nearest checkpoint) or ``"strong"`` (pseudoresume
                 from the start, rebuilding state the checkpoints did not capture).
+            dry_run: show the plan (segments, checkpoints, batches, estimated seconds from the
+                record's timings) and return it as a :class:`ReplayEstimate`; run and write
+                nothing.
+
+        Returns:
+            A :class:`ReplayResult` (``result.summary()`` puts the time next to the estimate),
+            or with ``dry_run`` the :class:`ReplayEstimate`.
         """
         callback = next((c for c in self.callbacks if isinstance(c, HindsightCallback)), None)
         if callback is None:
@@ -70,7 +80,7 @@ class Trainer(L.Trainer):
             )
         return replay(
             self._init_args, callback.dirpath, model, datamodule, probe=probe, run=run,
-            epochs=epochs, workers=workers, init=init,
+            epochs=epochs, workers=workers, init=init, dry_run=dry_run,
         )  # fmt: skip
 
 
@@ -100,10 +110,11 @@ def replay(
     epochs: Iterable[int] | None = None,
     workers: int = 1,
     init: str = "weak",
-) -> ReplayResult:
+    dry_run: bool = False,
+) -> ReplayResult | ReplayEstimate:
     """Framework-facing core of :meth:`Trainer.replay` (see there)."""
     probes = _probes(probe)
-    setup = core.prepare(dirpath, run, epochs, workers)
+    setup = core.prepare(dirpath, run, epochs, workers, dry_run=dry_run)
     recorded_run, entries = setup.run, setup.entries
     initial = entries[min(entries)].load()["state_dict"]
     actual_class = f"{type(model).__module__}.{type(model).__qualname__}"
@@ -117,7 +128,9 @@ def replay(
             recorded_run.run_id, replay_id, entries,
         )  # fmt: skip
 
-    return core.run_segments(setup, level, segments, replay_segment)
+    outcome = core.run_segments(setup, level, segments, replay_segment, dry_run=dry_run)
+    rank_zero_info(str(outcome) if dry_run else outcome.summary())
+    return outcome
 
 
 def _detached_copy(module: Any) -> Any:
@@ -158,4 +171,4 @@ def _replay_segment(
         trainer.fit(_detached_copy(model), _detached_copy(datamodule), ckpt_path=start.path)
 
 
-__all__ = ["FunctionProbe", "Mismatch", "ReplayResult", "Trainer", "replay"]
+__all__ = ["FunctionProbe", "Mismatch", "ReplayEstimate", "ReplayResult", "Trainer", "replay"]

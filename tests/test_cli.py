@@ -64,12 +64,21 @@ def cli_in(cwd, *args: str) -> subprocess.CompletedProcess:
 def test_example_config_fits_and_replays_from_yaml(tmp_path, config):
     fit = cli_in(tmp_path, "fit", "--config", str(config), "--trainer.max_epochs=2")
     assert fit.returncode == 0, fit.stderr[-2000:]
+    planned = cli_in(
+        tmp_path, "replay", "--config", str(config), "--trainer.max_epochs=2",
+        "--probe", "examples.probes:GradNormProbe", "--epochs", "1:1", "--dry-run",
+    )  # fmt: skip
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert "replay plan for run_0001: inner-loop" in planned.stdout
+    assert "grad_norm" not in planned.stdout  # nothing ran
+    batches = planned.stdout.split(" training batches")[0].rsplit(" ", 1)[-1]
     replayed = cli_in(
         tmp_path, "replay", "--config", str(config), "--trainer.max_epochs=2",
         "--probe", "examples.probes:GradNormProbe", "--epochs", "1:1",
     )  # fmt: skip
     assert replayed.returncode == 0, replayed.stderr[-2000:]
     assert "inner-loop" in replayed.stdout and "0 mismatch(es)" in replayed.stdout
+    assert f", {batches} training batches" in replayed.stdout and "(estimated " in replayed.stdout
     assert "grad_norm (per epoch)" in replayed.stdout
     dirpath = next(tmp_path.glob("runs/*"))
     plot = cli_in(tmp_path, "runs", str(dirpath), "--plot", "grad_norm", "--out", "g.png")

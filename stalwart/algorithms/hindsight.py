@@ -28,6 +28,7 @@ from composer.utils import reproducibility
 from stalwart.errors import ConfigurationError, ReplayError
 from stalwart.hindsight import replay as core
 from stalwart.hindsight.checkpoint_file import verify_checkpoint
+from stalwart.hindsight.estimate import ReplayEstimate
 from stalwart.hindsight.fingerprint import hook_fingerprints
 from stalwart.hindsight.materializer import tensor_bytes
 from stalwart.hindsight.plan import INNER, Segment
@@ -341,7 +342,8 @@ def replay(
     epochs: Iterable[int] | None = None,
     workers: int = 1,
     dirpath: str | os.PathLike | None = None,
-) -> ReplayResult:
+    dry_run: bool = False,
+) -> ReplayResult | ReplayEstimate:
     """Replay epochs of a recorded Composer run with new probes, from its checkpoints.
 
     Composer cannot skip an epoch, so each segment of the plan resumes from the checkpoint before
@@ -358,6 +360,8 @@ def replay(
         epochs: which recorded epochs to replay; default: all.
         workers: parallel worker processes, each replaying a contiguous segment.
         dirpath: the record's directory; default: that of the factory's ``Hindsight``.
+        dry_run: log the plan (segments, checkpoints, batches, estimated seconds from the
+            record's timings) and return it as a ``ReplayEstimate``; run and write nothing.
 
     Example::
 
@@ -384,7 +388,7 @@ def replay(
             )
         dirpath = hindsight.dirpath
     reference.close()
-    setup = core.prepare(dirpath, run, epochs, workers)
+    setup = core.prepare(dirpath, run, epochs, workers, dry_run=dry_run)
     entries = setup.entries
     recorded_run = setup.run
     if recorded_run.config.get("framework") != "composer":
@@ -417,4 +421,6 @@ def replay(
             driver.finish()
             trainer.close()
 
-    return core.run_segments(setup, INNER, segments, replay_segment)
+    outcome = core.run_segments(setup, INNER, segments, replay_segment, dry_run=dry_run)
+    log.info("%s", outcome if dry_run else outcome.summary())
+    return outcome

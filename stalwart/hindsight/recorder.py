@@ -105,6 +105,8 @@ class Recorder:
         self._warmup = True
         self._last_flush = 0.0
         self._clock = 0.0
+        self._batches = 0
+        self._last_batch_end: float | None = None
 
     @property
     def store(self) -> HindsightStore:
@@ -148,18 +150,22 @@ class Recorder:
         self._warmup = True
 
     def epoch_started(self) -> None:
+        self._batches = 0
+        self._last_batch_end = None
         if self.materializer is not None:
             self._shadowed = self.materializer.busy
 
     def batch_ended(self) -> None:
         if self.materializer is None:
             return
+        self._batches += 1
         # A commit per batch costs ~0.1 ms inside training: commit about once a second instead
         # (and at every epoch end); a crash loses at most that second of logged values.
         if time.perf_counter() - self._last_flush >= LOG_FLUSH_SECONDS:
             self.flush()
         self.materializer.poll()
         self._shadowed = self._shadowed or self.materializer.busy
+        self._last_batch_end = time.perf_counter()
 
     def epoch_ended(
         self,
@@ -181,6 +187,11 @@ class Recorder:
         """
         if not self.recording or epoch <= self.decided_through:
             return None
+        ended = time.perf_counter()
+        # What a replay that memoizes this epoch still runs (validation, epoch-end hooks), and
+        # what one that re-executes it runs: both for replay's cost estimate.
+        epoch_level = ended - (self._last_batch_end or self._clock)
+        self.store.add_epoch_work(self.run_id, epoch, self._batches, epoch_level)
         self.flush()
         self.materializer.poll()
         shadowed = self._shadowed or self.materializer.busy

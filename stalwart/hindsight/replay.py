@@ -23,6 +23,7 @@ import pandas as pd
 
 from stalwart.errors import ConfigurationError, ReplayError
 from stalwart.hindsight.checkpoint_file import verify_checkpoint
+from stalwart.hindsight.estimate import ReplayEstimate, estimate_replay
 from stalwart.hindsight.fingerprint import hook_fingerprints
 from stalwart.hindsight.numerics import NUMERICS_KEY, recorded_numerics, restore_numerics
 from stalwart.hindsight.plan import Segment, plan_replay
@@ -85,11 +86,22 @@ class ReplayResult:
     batch_epochs: list[int]
     seconds: float
     mismatches: list[Mismatch] = field(default_factory=list)
+    #: The plan's cost estimate, made before the replay ran (see ``dry_run``).
+    estimate: ReplayEstimate | None = None
 
     @property
     def batches_executed(self) -> int:
         """Training batches (``training_step`` calls) the replay ran."""
         return len(self.batch_epochs)
+
+    def summary(self) -> str:
+        """One line: the work done, the time it took next to the estimate, the deferred check."""
+        estimated = f" (estimated {self.estimate.seconds:.1f}s)" if self.estimate else ""
+        return (
+            f"replay {self.replay_id} of {self.run.name}: {self.level}-loop, "
+            f"{len(self.segments)} segment(s), {self.batches_executed} training batches, "
+            f"{self.seconds:.1f}s{estimated}, {len(self.mismatches)} mismatch(es)"
+        )
 
     def metrics(self, name: str) -> pd.DataFrame:
         """The values this replay logged under ``name``: epoch, step, value, source, hook."""
@@ -110,12 +122,19 @@ class ReplaySetup:
 
 
 def prepare(
-    dirpath: Any, run: int | str | None, epochs: Iterable[int] | None, workers: int
+    dirpath: Any,
+    run: int | str | None,
+    epochs: Iterable[int] | None,
+    workers: int,
+    dry_run: bool = False,
 ) -> ReplaySetup:
-    """Open the record and check the request against it, before any work."""
+    """Open the record and check the request against it, before any work.
+
+    A dry run opens the record read-only in effect: nothing is created or swept.
+    """
     if not isinstance(workers, int) or workers < 1:
         raise ConfigurationError(f"workers={workers!r}: pass a whole number >= 1.")
-    store = HindsightStore(dirpath, create=True)
+    store = HindsightStore(dirpath, create=not dry_run)
     recorded_run = store.run(run)
     recorded_epochs = sorted(recorded_run.decisions().epoch.tolist())
     wanted = recorded_epochs if epochs is None else sorted(set(epochs))
@@ -170,12 +189,18 @@ def run_segments(
     level: str,
     segments: list[Segment],
     replay_segment: Callable[[int, Segment, str], None],
-) -> ReplayResult:
+    dry_run: bool = False,
+) -> ReplayResult | ReplayEstimate:
     """Run ``replay_segment(index, segment, replay_id)`` for every segment and collect results.
 
     One segment runs in this process; several run in forked worker processes, one per segment,
-    each with an equal share of the cores. Each segment stores its work in ``replay_work``.
+    each with the record's numerics settings. Each segment stores its work in ``replay_work``.
+    With ``dry_run`` nothing runs: the plan's :class:`ReplayEstimate` is returned instead.
     """
+    estimate = estimate_replay(setup.run, level, segments, setup.entries)
+    if dry_run:
+        setup.store.close()
+        return estimate
     replay_id = uuid.uuid4().hex[:12]
     numerics = setup.run.config.get(NUMERICS_KEY, {})
     started = time.perf_counter()
@@ -210,7 +235,9 @@ def run_segments(
     if len(work) != len(segments):
         raise ReplayError(f"replay {replay_id}: {len(segments) - len(work)} worker(s) failed.")
     batch_epochs = [e for text in work.batch_epochs for e in json.loads(text)]
-    result = ReplayResult(replay_id, recorded_run, level, segments, batch_epochs, seconds)
+    result = ReplayResult(
+        replay_id, recorded_run, level, segments, batch_epochs, seconds, estimate=estimate
+    )
     result.mismatches = deferred_check(store, recorded_run.run_id, replay_id, setup.wanted)
     if result.mismatches:
         first = result.mismatches[0]

@@ -67,6 +67,13 @@ CREATE TABLE IF NOT EXISTS decisions (
     interference REAL NOT NULL DEFAULT 0,
     PRIMARY KEY (run_id, epoch)
 );
+CREATE TABLE IF NOT EXISTS epoch_work (
+    run_id INTEGER NOT NULL,
+    epoch INTEGER NOT NULL,
+    batches INTEGER NOT NULL,
+    epoch_level_seconds REAL NOT NULL,
+    PRIMARY KEY (run_id, epoch)
+);
 CREATE TABLE IF NOT EXISTS replay_work (
     replay_id TEXT NOT NULL,
     run_id INTEGER NOT NULL,
@@ -298,6 +305,16 @@ class HindsightStore:
             ),
         )
 
+    def add_epoch_work(
+        self, run_id: int, epoch: int, batches: int, epoch_level_seconds: float
+    ) -> None:
+        """What one recorded epoch did: its training batches, and the seconds it spent after
+        the last one (validation, epoch-end hooks), which a memoized replay epoch still spends."""
+        self._conn.execute(
+            "INSERT OR REPLACE INTO epoch_work VALUES (?, ?, ?, ?)",
+            (run_id, epoch, batches, epoch_level_seconds),
+        )
+
     def add_replay_work(
         self, replay_id: str, run_id: int, segment: int, resume_from: int, last_epoch: int,
         batch_epochs: list[int], seconds: float,
@@ -418,6 +435,16 @@ class Run:
         return self.store.query(
             "SELECT epoch, n, k, materialize_cost, measured_cost, interference, compute_time,"
             " threshold, checkpoint FROM decisions WHERE run_id = ? ORDER BY epoch",
+            (self.run_id,),
+        )
+
+    def epoch_work(self) -> pd.DataFrame:
+        """Per recorded epoch: batches (training batches run) and epoch_level_seconds (time
+        after the last batch: validation and epoch-end hooks). Empty for runs recorded before
+        stalwart kept it."""
+        return self.store.query(
+            "SELECT epoch, batches, epoch_level_seconds FROM epoch_work WHERE run_id = ?"
+            " ORDER BY epoch",
             (self.run_id,),
         )
 
