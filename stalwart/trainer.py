@@ -10,10 +10,12 @@ from typing import Any
 import lightning as L
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import Callback, Checkpoint
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_info
 
 from stalwart.callbacks.hindsight import HindsightCallback
 from stalwart.callbacks.replay import FunctionProbe, ReplayDriver, probe_level
+from stalwart.callbacks.replay_loggers import lightning_points, write_to_loggers
 from stalwart.errors import ConfigurationError
 from stalwart.hindsight import replay as core
 from stalwart.hindsight.estimate import ReplayEstimate
@@ -50,6 +52,7 @@ class Trainer(L.Trainer):
         workers: int = 1,
         init: str = "weak",
         dry_run: bool = False,
+        loggers: str | Iterable[Logger] | None = "original",
     ) -> ReplayResult | ReplayEstimate:
         """Replay a recorded run, re-executing only what the probes (or module edits) need.
 
@@ -67,6 +70,11 @@ class Trainer(L.Trainer):
             dry_run: show the plan (segments, checkpoints, batches, estimated seconds from the
                 record's timings) and return it as a :class:`ReplayEstimate`; run and write
                 nothing.
+            loggers: where the replay's new series are also written, as ``replay/<name>`` on
+                the record's step axis: ``"original"`` (the TensorBoard, CSV and MLflow loggers
+                the recorded run wrote to), ``None`` (only the store), or a list of Lightning
+                loggers. The store is the source of truth: a logger whose files are gone is
+                named in a warning and in ``result.logger_problems``.
 
         Returns:
             A :class:`ReplayResult` (``result.summary()`` puts the time next to the estimate),
@@ -80,7 +88,7 @@ class Trainer(L.Trainer):
             )
         return replay(
             self._init_args, callback.dirpath, model, datamodule, probe=probe, run=run,
-            epochs=epochs, workers=workers, init=init, dry_run=dry_run,
+            epochs=epochs, workers=workers, init=init, dry_run=dry_run, loggers=loggers,
         )  # fmt: skip
 
 
@@ -111,10 +119,13 @@ def replay(
     workers: int = 1,
     init: str = "weak",
     dry_run: bool = False,
+    loggers: str | Iterable[Logger] | None = "original",
 ) -> ReplayResult | ReplayEstimate:
     """Framework-facing core of :meth:`Trainer.replay` (see there)."""
     probes = _probes(probe)
+    instances = _logger_instances(loggers)
     setup = core.prepare(dirpath, run, epochs, workers, dry_run=dry_run)
+    targets = [] if instances is not None else core.logger_targets(setup.run, loggers)
     recorded_run, entries = setup.run, setup.entries
     initial = entries[min(entries)].load()["state_dict"]
     actual_class = f"{type(model).__module__}.{type(model).__qualname__}"
@@ -128,9 +139,26 @@ def replay(
             recorded_run.run_id, replay_id, entries,
         )  # fmt: skip
 
-    outcome = core.run_segments(setup, level, segments, replay_segment, dry_run=dry_run)
+    outcome = core.run_segments(
+        setup, level, segments, replay_segment, dry_run=dry_run, targets=targets,
+        logger_axis=lightning_points, also=lambda points: write_to_loggers(instances, points),
+    )  # fmt: skip
     rank_zero_info(str(outcome) if dry_run else outcome.summary())
     return outcome
+
+
+def _logger_instances(loggers: Any) -> list[Logger] | None:
+    """The Lightning loggers passed as ``loggers=[...]``, or None for "original"/None."""
+    if loggers is None or isinstance(loggers, str):
+        return None
+    instances = [loggers] if isinstance(loggers, Logger) else list(loggers)
+    for logger in instances:
+        if not isinstance(logger, Logger):
+            raise ConfigurationError(
+                f"loggers: {logger!r} is not a Lightning logger; pass 'original', None, or "
+                "Lightning loggers such as CSVLogger('logs')."
+            )
+    return instances
 
 
 def _detached_copy(module: Any) -> Any:

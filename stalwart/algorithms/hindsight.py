@@ -35,6 +35,7 @@ from stalwart.hindsight.plan import INNER, Segment
 from stalwart.hindsight.recorder import Recorder, RecordOptions
 from stalwart.hindsight.replay import ReplayResult
 from stalwart.hindsight.store import CheckpointEntry, HindsightStore
+from stalwart.hindsight.writeback import LOGGERS_KEY, absolute_tracking_uri
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -125,6 +126,38 @@ class StoreDestination(LoggerDestination):
         if event == Event.EPOCH_START:
             self.epoch = int(state.timestamp.epoch)
             self.between_epochs = False
+
+
+def describe_destinations(callbacks: Iterable[Any]) -> list[dict[str, Any]]:
+    """Where each of a run's logger destinations keeps its values (for a replay's write-back).
+
+    Destinations that keep nothing on disk (console, progress bar, in memory) are left out.
+    """
+    from composer.loggers import (
+        ConsoleLogger,
+        InMemoryLogger,
+        MLFlowLogger,
+        ProgressBarLogger,
+        TensorboardLogger,
+    )
+
+    described = []
+    for destination in callbacks:
+        if not isinstance(destination, LoggerDestination) or isinstance(
+            destination, (StoreDestination, ConsoleLogger, ProgressBarLogger, InMemoryLogger)
+        ):
+            continue
+        if isinstance(destination, TensorboardLogger) and destination.writer is not None:
+            log_dir = os.path.abspath(destination.writer.log_dir)
+            described.append({"kind": "tensorboard", "log_dir": log_dir})
+        elif isinstance(destination, MLFlowLogger) and destination._run_id is not None:
+            described.append(
+                {"kind": "mlflow", "tracking_uri": absolute_tracking_uri(destination.tracking_uri),
+                 "run_id": destination._run_id}
+            )  # fmt: skip
+        else:
+            described.append({"kind": "unsupported", "name": type(destination).__name__})
+    return described
 
 
 def _attach(state: State, logger: Logger, destination: StoreDestination) -> None:
@@ -251,6 +284,8 @@ class Hindsight(Algorithm):
                 "module_class": f"{type(model).__module__}.{type(model).__qualname__}",
                 "composer": composer.__version__,
                 "torch": torch.__version__,
+                # Where the user's loggers keep their values: a replay writes there too.
+                LOGGERS_KEY: describe_destinations(state.callbacks),
             },
         )
         self._destination.open(self.recorder.store, run_id)
@@ -343,6 +378,7 @@ def replay(
     workers: int = 1,
     dirpath: str | os.PathLike | None = None,
     dry_run: bool = False,
+    loggers: str | None = "original",
 ) -> ReplayResult | ReplayEstimate:
     """Replay epochs of a recorded Composer run with new probes, from its checkpoints.
 
@@ -362,6 +398,10 @@ def replay(
         dirpath: the record's directory; default: that of the factory's ``Hindsight``.
         dry_run: log the plan (segments, checkpoints, batches, estimated seconds from the
             record's timings) and return it as a ``ReplayEstimate``; run and write nothing.
+        loggers: ``"original"`` also writes the replay's new series, as ``replay/<name>`` at
+            the record's batch steps, to the TensorBoard and MLflow destinations the recorded
+            run logged to; ``None`` writes only to the store. The segments' own trainers log
+            to no destination of the factory's.
 
     Example::
 
@@ -374,7 +414,7 @@ def replay(
     """
     probes = _probes(probe)
     with _replaying():
-        reference = trainer_factory(save_folder=None)
+        reference = trainer_factory(save_folder=None, loggers=[])
     model_state = reference.state.model.state_dict()
     model_class = (
         f"{type(reference.state.model).__module__}.{type(reference.state.model).__qualname__}"
@@ -389,6 +429,7 @@ def replay(
         dirpath = hindsight.dirpath
     reference.close()
     setup = core.prepare(dirpath, run, epochs, workers, dry_run=dry_run)
+    targets = core.logger_targets(setup.run, loggers)
     entries = setup.entries
     recorded_run = setup.run
     if recorded_run.config.get("framework") != "composer":
@@ -411,6 +452,7 @@ def replay(
                 load_path=str(entries[segment.resume_from].path),
                 max_duration=f"{segment.last_epoch + 1}ep",
                 save_folder=None,
+                loggers=[],  # the replayed values reach the user's loggers once, afterwards
             )
         trainer.state.algorithms.append(driver)
         trainer.state.callbacks.extend(probes)
@@ -421,6 +463,8 @@ def replay(
             driver.finish()
             trainer.close()
 
-    outcome = core.run_segments(setup, INNER, segments, replay_segment, dry_run=dry_run)
+    outcome = core.run_segments(
+        setup, INNER, segments, replay_segment, dry_run=dry_run, targets=targets
+    )
     log.info("%s", outcome if dry_run else outcome.summary())
     return outcome

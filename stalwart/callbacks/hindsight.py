@@ -15,12 +15,14 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from stalwart.callbacks.log_capture import LogCapture
 from stalwart.callbacks.loop_state import INNER_LOOP_END_KEY, capture_inner_loop_end
+from stalwart.callbacks.replay_loggers import describe_loggers
 from stalwart.hindsight.fingerprint import hook_fingerprints
 from stalwart.hindsight.materializer import Materializer, tensor_bytes
 from stalwart.hindsight.policy import DEFAULT_EPSILON, DEFAULT_RESTORE_RATIO, JointInvariantPolicy
 from stalwart.hindsight.recorder import Recorder
 from stalwart.hindsight.rng import RNG_KEY, capture_rng, restore_rng
 from stalwart.hindsight.store import HindsightStore
+from stalwart.hindsight.writeback import LOGGERS_KEY
 
 
 class HindsightCallback(Callback):
@@ -105,6 +107,8 @@ class HindsightCallback(Callback):
                 "module_class": f"{type(pl_module).__module__}.{type(pl_module).__qualname__}",
                 "lightning": lightning.__version__,
                 "torch": torch.__version__,
+                # Where the user's loggers keep their values: a replay writes there too.
+                LOGGERS_KEY: describe_loggers(trainer.loggers),
             },
         )
         self._capture = LogCapture(self.store, run_id, "record")

@@ -12,7 +12,7 @@ included: it depends on the user's code and machine, not on the record.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stalwart.hindsight.plan import Segment
 from stalwart.hindsight.policy import DEFAULT_RESTORE_RATIO
@@ -43,12 +43,15 @@ class ReplayEstimate:
         segments: one :class:`SegmentEstimate` per worker.
         batches_known: False for records made before batch counts were kept (then
             ``batches`` counts only what could be inferred, and says so when printed).
+        logger_problems: the record's loggers a real replay could not write to, and why.
     """
 
     run: Run
     level: str
     segments: list[SegmentEstimate]
     batches_known: bool = True
+    #: The record's loggers a real replay could not write to, and why.
+    logger_problems: list[str] = field(default_factory=list)
 
     @property
     def batches(self) -> int:
@@ -75,6 +78,7 @@ class ReplayEstimate:
                 f"  {index:<8}{s.checkpoint.path.name:<22}{span:<10}"
                 f"{len(s.segment.memoized):>9}{s.batches:>9}{s.seconds:>8.1f}"
             )
+        lines += [f"  cannot write to a logger of the record: {p}" for p in self.logger_problems]
         return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ Lightning and Composer adapters supply only the function that replays one segmen
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import threading
@@ -28,6 +29,7 @@ from stalwart.hindsight.fingerprint import hook_fingerprints
 from stalwart.hindsight.numerics import NUMERICS_KEY, recorded_numerics, restore_numerics
 from stalwart.hindsight.plan import Segment, plan_replay
 from stalwart.hindsight.store import CheckpointEntry, HindsightStore, Run
+from stalwart.hindsight.writeback import LOGGERS_KEY, target_problem, write_back
 
 
 @dataclass(frozen=True, repr=False)
@@ -88,6 +90,10 @@ class ReplayResult:
     mismatches: list[Mismatch] = field(default_factory=list)
     #: The plan's cost estimate, made before the replay ran (see ``dry_run``).
     estimate: ReplayEstimate | None = None
+    #: The loggers the replayed values were also written to (see ``loggers``).
+    logged_to: list[str] = field(default_factory=list)
+    #: The record's loggers that could not be written to, and why.
+    logger_problems: list[str] = field(default_factory=list)
 
     @property
     def batches_executed(self) -> int:
@@ -190,17 +196,25 @@ def run_segments(
     segments: list[Segment],
     replay_segment: Callable[[int, Segment, str], None],
     dry_run: bool = False,
+    targets: Sequence[dict] = (),
+    logger_axis: Callable[[pd.DataFrame], pd.DataFrame] = lambda rows: rows,
+    also: Callable[[pd.DataFrame], list[str]] = lambda points: [],
 ) -> ReplayResult | ReplayEstimate:
     """Run ``replay_segment(index, segment, replay_id)`` for every segment and collect results.
 
     One segment runs in this process; several run in forked worker processes, one per segment,
     each with the record's numerics settings. Each segment stores its work in ``replay_work``.
     With ``dry_run`` nothing runs: the plan's :class:`ReplayEstimate` is returned instead.
+
+    Afterwards the replay's new series go to the record's loggers (``targets``, see
+    :mod:`stalwart.hindsight.writeback`), placed on their step axis by ``logger_axis``, and to
+    ``also(points)``, which returns a description of each further logger it wrote to.
     """
     estimate = estimate_replay(setup.run, level, segments, setup.entries)
     if dry_run:
         setup.store.close()
-        return estimate
+        problems = [p for p in map(target_problem, targets) if p is not None]
+        return dataclasses.replace(estimate, logger_problems=problems)
     replay_id = uuid.uuid4().hex[:12]
     numerics = setup.run.config.get(NUMERICS_KEY, {})
     started = time.perf_counter()
@@ -252,7 +266,39 @@ def run_segments(
             f" recorded value series, first {first}. {hint}",
             stacklevel=4,
         )
+    points = logger_axis(new_series(result))
+    if not points.empty:
+        written, result.logger_problems = write_back(points, targets, replay_id)
+        result.logged_to = [*written, *also(points)]
+        for problem in result.logger_problems:
+            warnings.warn(f"replay {replay_id}: {problem}", stacklevel=4)
     return result
+
+
+def new_series(result: ReplayResult) -> pd.DataFrame:
+    """The replay's values of series the record did not log (name, epoch, step, value, hook).
+
+    Series the record logged too are not repeated: the deferred check compared them.
+    """
+    rows = result.run.store.query(
+        "SELECT name, epoch, step, value, hook FROM metrics WHERE run_id = ? AND replay_id = ?"
+        " AND name NOT IN (SELECT DISTINCT name FROM metrics WHERE run_id = ? AND"
+        " source = 'record') ORDER BY rowid",
+        (result.run.run_id, result.replay_id, result.run.run_id),
+    )
+    return rows.sort_values(["epoch", "step"], kind="stable").reset_index(drop=True)
+
+
+def logger_targets(run: Run, loggers: Any) -> list[dict]:
+    """The write-back targets for ``loggers="original"`` (the record's) or ``None`` (none)."""
+    if loggers is None:
+        return []
+    if loggers == "original":
+        return list(run.config.get(LOGGERS_KEY, []))
+    raise ConfigurationError(
+        f"loggers={loggers!r}: pass 'original' (the recorded run's loggers), None, or a list "
+        "of logger objects."
+    )
 
 
 def _worker_main(

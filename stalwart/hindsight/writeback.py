@@ -1,0 +1,152 @@
+"""Replayed values, written where the user looks: the loggers the recorded run wrote to.
+
+The hindsight store is the source of truth; this module copies a replay's new series into the
+original run's TensorBoard log directory, CSV metrics file and MLflow run, on the same step axis
+as the record, under ``replay/<name>`` so they are never mistaken for recorded values. The record
+describes its loggers in the manifest (:func:`logger_target` dicts, written by the adapters);
+nothing here imports a framework, and a logger whose files were moved or deleted is reported,
+never recreated.
+
+A target is a dict with a ``kind``:
+
+* ``{"kind": "tensorboard", "log_dir": ...}``: a new event file in that directory.
+* ``{"kind": "csv", "path": ...}``: rows appended to Lightning's ``metrics.csv`` (columns
+  ``epoch``, ``step`` and one per metric; the file is rewritten through a temporary file when
+  the replay adds columns).
+* ``{"kind": "mlflow", "tracking_uri": ..., "run_id": ...}``: metrics added to that run, and
+  its ``stalwart.replays`` tag lists the replays written into it.
+* ``{"kind": "unsupported", "name": ...}``: a logger the record could not describe.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+#: Replayed series are written under this prefix, so they never pass for recorded values.
+REPLAY_PREFIX = "replay/"
+
+#: Manifest key under which a run's loggers are described.
+LOGGERS_KEY = "loggers"
+
+
+def absolute_tracking_uri(uri: str) -> str:
+    """An MLflow tracking URI that a replay finds from any working directory."""
+    if uri.startswith("file:") and not uri.startswith("file:/"):
+        return "file:" + os.path.abspath(uri[len("file:") :])
+    if "://" not in uri and not uri.startswith("file:"):
+        return "file:" + os.path.abspath(uri)
+    return uri
+
+
+def write_back(
+    points: pd.DataFrame, targets: Iterable[Mapping[str, Any]], replay_id: str
+) -> tuple[list[str], list[str]]:
+    """Write ``points`` (columns name, epoch, step, value) into every target.
+
+    Returns ``(written, problems)``: a description of each target written, and for each target
+    that could not be written, why (the replay itself is unaffected).
+    """
+    points = points.assign(name=REPLAY_PREFIX + points.name)
+    written, problems = [], []
+    for target in targets:
+        problem = target_problem(target)
+        if problem is not None:
+            problems.append(problem)
+        else:
+            written.append(_WRITERS[target["kind"]](points, target, replay_id))
+    return written, problems
+
+
+def target_problem(target: Mapping[str, Any]) -> str | None:
+    """Why replayed values cannot be written to ``target`` (None if they can); writes nothing."""
+    kind = target.get("kind")
+    if kind == "tensorboard":
+        if not Path(target["log_dir"]).is_dir():
+            return (
+                f"TensorBoard log dir {target['log_dir']} no longer exists (moved or deleted); "
+                "replayed values stay in the store. Pass loggers=[...] to write them elsewhere."
+            )
+    elif kind == "csv":
+        if not Path(target["path"]).is_file():
+            return (
+                f"CSV metrics file {target['path']} no longer exists (moved or deleted); "
+                "replayed values stay in the store. Pass loggers=[...] to write them elsewhere."
+            )
+    elif kind == "mlflow":
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        try:
+            MlflowClient(tracking_uri=target["tracking_uri"]).get_run(target["run_id"])
+        except MlflowException as error:
+            return (
+                f"MLflow run {target['run_id']} at {target['tracking_uri']} cannot be read "
+                f"({error.message}); replayed values stay in the store."
+            )
+    else:
+        return (
+            f"{target.get('name', kind)}: stalwart cannot write replayed values to this logger "
+            "(TensorBoard, CSV and MLflow are supported); they are in the store."
+        )
+    return None
+
+
+def _tensorboard(points: pd.DataFrame, target: Mapping[str, Any], replay_id: str) -> str:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=target["log_dir"], filename_suffix=f".replay-{replay_id}")
+    try:
+        for row in points.itertuples(index=False):
+            writer.add_scalar(row.name, row.value, global_step=int(row.step))
+    finally:
+        writer.close()
+    return f"TensorBoard {target['log_dir']}"
+
+
+def _csv(points: pd.DataFrame, target: Mapping[str, Any], replay_id: str) -> str:
+    path = Path(target["path"])
+    existing = pd.read_csv(path)
+    # One row per (epoch, step), one column per replayed series: the layout Lightning writes.
+    wide = points.pivot_table(index=["epoch", "step"], columns="name", values="value")
+    wide = wide.reset_index()
+    wide.columns.name = None
+    merged = pd.concat([existing, wide], ignore_index=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            merged.to_csv(f, index=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return f"CSV {path}"
+
+
+def _mlflow(points: pd.DataFrame, target: Mapping[str, Any], replay_id: str) -> str:
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=target["tracking_uri"])
+    run_id = target["run_id"]
+    now = int(time.time() * 1000)
+    metrics = [
+        Metric(row.name, float(row.value), now, int(row.step))
+        for row in points.itertuples(index=False)
+    ]
+    for start in range(0, len(metrics), 1000):  # MLflow's batch limit
+        client.log_batch(run_id, metrics=metrics[start : start + 1000])
+    replays = client.get_run(run_id).data.tags.get("stalwart.replays", "")
+    client.set_tag(run_id, "stalwart.replays", ",".join(filter(None, [replays, replay_id])))
+    return f"MLflow run {run_id} ({target['tracking_uri']})"
+
+
+_WRITERS = {"tensorboard": _tensorboard, "csv": _csv, "mlflow": _mlflow}
