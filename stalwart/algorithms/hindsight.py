@@ -274,10 +274,13 @@ class Hindsight(Algorithm):
         return policy_says
 
     def _begin(self, state: State) -> None:
+        started = time.perf_counter()
         model = state.model
+        fingerprints = {"module": hook_fingerprints(model), "datamodule": {}}
+        fingerprinting = time.perf_counter() - started
         run_id = self.recorder.begin(
             hparams=dict(getattr(model, "hparams", {}) or {}),
-            fingerprints={"module": hook_fingerprints(model), "datamodule": {}},
+            fingerprints=fingerprints,
             config={
                 "framework": "composer",
                 "max_duration": str(state.max_duration),
@@ -288,6 +291,8 @@ class Hindsight(Algorithm):
                 LOGGERS_KEY: describe_destinations(state.callbacks),
             },
         )
+        # What recording adds before training is part of its cost (begin charges its own).
+        self.recorder.charge_fixed(fingerprinting)
         self._destination.open(self.recorder.store, run_id)
         self.recorder.flush_logs = self._destination.flush
         if self._loaded is not None:

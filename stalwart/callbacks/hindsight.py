@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,15 +94,18 @@ class HindsightCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit" or not trainer.is_global_zero:
             return
+        started = time.perf_counter()
         self._inner_loop_end = None
         self._rng_at_start = None
         datamodule = trainer.datamodule
+        fingerprints = {
+            "module": hook_fingerprints(pl_module),
+            "datamodule": hook_fingerprints(datamodule) if datamodule is not None else {},
+        }
+        fingerprinting = time.perf_counter() - started
         run_id = self.recorder.begin(
             hparams=dict(pl_module.hparams),
-            fingerprints={
-                "module": hook_fingerprints(pl_module),
-                "datamodule": hook_fingerprints(datamodule) if datamodule is not None else {},
-            },
+            fingerprints=fingerprints,
             config={
                 "max_epochs": trainer.max_epochs,
                 "module_class": f"{type(pl_module).__module__}.{type(pl_module).__qualname__}",
@@ -111,6 +115,8 @@ class HindsightCallback(Callback):
                 LOGGERS_KEY: describe_loggers(trainer.loggers),
             },
         )
+        # What recording adds before training is part of its cost (begin charges its own).
+        self.recorder.charge_fixed(fingerprinting)
         self._capture = LogCapture(self.store, run_id, "record")
         self._capture.attach(pl_module, trainer)
         self.recorder.flush_logs = self._capture.flush
@@ -133,9 +139,12 @@ class HindsightCallback(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if not self.recorder.recording:
             return
+        started = time.perf_counter()
         if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             self._inner_loop_end = capture_inner_loop_end(trainer)
         self.recorder.batch_ended()
+        spent, self._capture.spent = self._capture.spent, 0.0
+        self.recorder.charge_bookkeeping(time.perf_counter() - started + spent)
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.recorder.flush()

@@ -11,6 +11,9 @@ overhead budget. The ``k + 1`` makes the invariant keep holding *after* this che
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from dataclasses import asdict, dataclass
 
 from stalwart.errors import ConfigurationError
@@ -53,7 +56,10 @@ class JointInvariantPolicy:
     cumulative overhead ``sum(M) / sum(C)`` never exceeds ``eps``, whatever one noisy epoch does.
     Eq. 4 assumes every checkpoint costs the same; when the cost drifts down over a run, past
     checkpoints may have cost more than ``M``, so the budget actually spent is checked as well
-    (``sum(M_taken) + M <= eps * sum(C)``).
+    (``sum(M_taken) + M <= eps * sum(C)``). Costs charged after the fact (background
+    interference, the record's start) can put that sum over budget for a long stretch; coverage
+    then still takes a checkpoint every ``ceil(r / eps) + 1`` epochs (r: typical M over mean C)
+    when it fits the budget of the compute since the previous one.
 
     Args:
         epsilon: record overhead budget, a fraction in (0, 1). Default 1/15 (6.67%), as in Flor.
@@ -68,6 +74,9 @@ class JointInvariantPolicy:
                 policy.checkpointed(cost)
     """
 
+    #: How many recent checkpoints' measured costs form the typical cost (their median).
+    RECENT = 5
+
     def __init__(
         self, epsilon: float = DEFAULT_EPSILON, restore_ratio: float = DEFAULT_RESTORE_RATIO
     ) -> None:
@@ -79,6 +88,26 @@ class JointInvariantPolicy:
         self.checkpoints = 0
         self.total_compute = 0.0
         self.total_materialize = 0.0
+        #: Part of ``total_materialize`` that no checkpoint caused alone: the record's start and
+        #: finish (store, fingerprints, the initial state, waiting for the last write).
+        self.total_fixed = 0.0
+        self.recent_costs: deque[float] = deque(maxlen=self.RECENT)
+        self.last_checkpoint_epochs = 0  # ``epochs`` when the last checkpoint was taken
+        self.compute_at_last_checkpoint = 0.0  # ``total_compute`` then
+
+    @property
+    def typical_cost(self) -> float | None:
+        """The low median measured cost of the last few checkpoints (None before the first).
+
+        A median, so one checkpoint whose cost was inflated by a noisy epoch stops counting as
+        soon as a few normal ones follow; and :meth:`decide` keeps taking them (coverage).
+        """
+        return statistics.median_low(self.recent_costs) if self.recent_costs else None
+
+    def coverage_period(self, materialize_cost: float, compute_time: float) -> int:
+        """``ceil(r / budget) + 1`` epochs, r = M/C: the longest a run may go without a
+        checkpoint; a steady run's Joint Invariant period is about ``r / budget``."""
+        return math.ceil(materialize_cost / compute_time / self.budget) + 1
 
     @property
     def budget(self) -> float:
@@ -115,6 +144,18 @@ class JointInvariantPolicy:
         take = self.should_checkpoint(n, k, materialize_cost, mean_compute) and (
             self.total_materialize + materialize_cost <= self.epsilon * self.total_compute
         )
+        if not take and k > 0 and mean_compute > 0:
+            # Coverage: past costs (a noisy epoch charged to a checkpoint, the record's start)
+            # must not leave the rest of the run without checkpoints. After the steady period,
+            # a checkpoint is taken if it fits the budget of the compute since the last one:
+            # the cumulative overhead then only ever moves towards eps, and without costs
+            # charged after the fact it never exceeds it (the invariant holds by induction).
+            period = self.coverage_period(materialize_cost, mean_compute)
+            window = self.total_compute - self.compute_at_last_checkpoint
+            take = (
+                n - self.last_checkpoint_epochs >= period
+                and materialize_cost <= self.budget * window
+            )
         return Decision(
             epoch=n - 1 if epoch is None else epoch,
             n=n,
@@ -129,15 +170,33 @@ class JointInvariantPolicy:
         """Account a checkpoint that was taken, with its measured main-thread cost."""
         self.checkpoints += 1
         self.total_materialize += max(materialize_cost, 0.0)
+        self.recent_costs.append(max(materialize_cost, 0.0))
+        self.last_checkpoint_epochs = self.epochs
+        self.compute_at_last_checkpoint = self.total_compute
+
+    def prior(self, cost: float) -> None:
+        """Seed the typical cost with a measured probe, so a stalled first checkpoint is one
+        sample of two, and the low median sets the price until more checkpoints are measured."""
+        if not self.recent_costs:
+            self.recent_costs.append(max(cost, 0.0))
 
     def charge(self, cost: float) -> None:
-        """Add checkpoint cost measured after the fact (background interference) to the budget;
-        a negative cost refunds an earlier over-estimate."""
+        """Add checkpoint cost measured after the fact (background interference) to the budget
+        and to the last checkpoint's cost; a negative cost refunds an earlier over-estimate."""
         self.total_materialize = max(self.total_materialize + cost, 0.0)
+        if self.recent_costs and self.checkpoints:
+            self.recent_costs[-1] = max(self.recent_costs[-1] + cost, 0.0)
+
+    def charge_fixed(self, cost: float) -> None:
+        """Add a cost of recording that no checkpoint caused (start, finish) to the budget."""
+        self.total_materialize += max(cost, 0.0)
+        self.total_fixed += max(cost, 0.0)
 
     def revise_last_cost(self, estimated: float, measured: float) -> None:
         """Replace the estimate a checkpoint was accounted with by its measured cost."""
         self.total_materialize += max(measured, 0.0) - max(estimated, 0.0)
+        if self.recent_costs:
+            self.recent_costs[-1] = max(measured, 0.0)
 
     def state_dict(self) -> dict:
         return {
@@ -146,6 +205,10 @@ class JointInvariantPolicy:
             "total_compute": self.total_compute,
             "total_materialize": self.total_materialize,
             "restore_ratio": self.restore_ratio,
+            "total_fixed": self.total_fixed,
+            "recent_costs": list(self.recent_costs),
+            "last_checkpoint_epochs": self.last_checkpoint_epochs,
+            "compute_at_last_checkpoint": self.compute_at_last_checkpoint,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -154,3 +217,12 @@ class JointInvariantPolicy:
         self.total_compute = float(state["total_compute"])
         self.total_materialize = float(state["total_materialize"])
         self.restore_ratio = float(state.get("restore_ratio", self.restore_ratio))
+        self.total_fixed = float(state.get("total_fixed", 0.0))
+        recent = state.get("recent_costs")
+        if recent is None and self.checkpoints:  # saved before per-checkpoint costs were kept
+            recent = [self.total_materialize / self.checkpoints]
+        self.recent_costs = deque(map(float, recent or []), maxlen=self.RECENT)
+        self.last_checkpoint_epochs = int(state.get("last_checkpoint_epochs", self.epochs))
+        self.compute_at_last_checkpoint = float(
+            state.get("compute_at_last_checkpoint", self.total_compute)
+        )

@@ -18,7 +18,6 @@ from typing import Any, TypedDict
 
 from stalwart.hindsight.interference import InterferenceMeter
 from stalwart.hindsight.materializer import (
-    InlineMaterializer,
     Materializer,
     WriteJob,
     make_materializer,
@@ -107,6 +106,7 @@ class Recorder:
         self._clock = 0.0
         self._batches = 0
         self._last_batch_end: float | None = None
+        self._bookkeeping = 0.0
 
     @property
     def store(self) -> HindsightStore:
@@ -120,6 +120,7 @@ class Recorder:
 
     def begin(self, *, hparams: dict, fingerprints: dict, config: dict) -> int:
         """Start a new run in the store; ``config`` is added to the policy's own settings."""
+        started = time.perf_counter()
         self.start_fresh()
         self.materializer = make_materializer(self._materializer_spec)
         self.run_id = self.store.begin_run(
@@ -134,16 +135,26 @@ class Recorder:
                 **config,
             },
         )
+        self.policy.charge_fixed(time.perf_counter() - started)
         return self.run_id
 
     def write_initial(self, snapshot: Callable[[], Any], step: int) -> None:
         """Write the state training starts from, so a replay from epoch 0 needs no user seeding.
 
-        Written inline, before training starts: a background writer here would slow the first
-        epoch, which is also the only clean baseline the interference meter has yet.
+        Through the background path like every checkpoint (a copy into the buffer for a small
+        state, a fork for a large one): the first epoch is warm-up and never the interference
+        meter's baseline, and whatever a writer costs it is charged once a baseline exists.
         """
-        cost = self.write(snapshot, INITIAL_EPOCH, "init.ckpt", step, InlineMaterializer())
-        self.policy.charge(cost)
+        self.charge_fixed(self.write(snapshot, INITIAL_EPOCH, "init.ckpt", step))
+
+    def charge_bookkeeping(self, seconds: float) -> None:
+        """Charge seconds the adapter spent inside training on recording (log capture, per-batch
+        hooks): part of the overhead, not of the epoch's compute time."""
+        self._bookkeeping += seconds
+
+    def charge_fixed(self, seconds: float) -> None:
+        """Charge seconds the adapter spent recording outside any checkpoint (e.g. its setup)."""
+        self.policy.charge_fixed(seconds)
 
     def train_started(self) -> None:
         self._clock = time.perf_counter()
@@ -200,7 +211,9 @@ class Recorder:
         self._warmup = False
         interference = self._interference.take()
         self.policy.charge(interference)
-        compute_time = epoch_seconds - max(interference, 0.0)
+        bookkeeping, self._bookkeeping = self._bookkeeping, 0.0
+        self.policy.charge_fixed(bookkeeping)
+        compute_time = epoch_seconds - max(interference, 0.0) - bookkeeping
         estimate = self._estimate_cost(state_bytes)
         decision = self.policy.decide(
             compute_time=compute_time, materialize_cost=estimate, epoch=epoch
@@ -242,13 +255,17 @@ class Recorder:
         step: int,
         materializer: Materializer | None = None,
     ) -> float:
-        """Snapshot the state and hand it to the materializer; returns main-thread seconds."""
+        """Snapshot the state and hand it to the materializer; returns the seconds it costs
+        training: the snapshot plus what the materializer charges (its main-thread time and,
+        for a buffered checkpoint, the write it defers)."""
         start = time.perf_counter()
         checkpoint = snapshot()
         path = self.store.run_dir(self.run_id) / name
         record = checkpoint_recorder(self.store.db_path, self.run_id, epoch, step)
-        (materializer or self.materializer).submit(WriteJob(checkpoint, path, record))
-        return time.perf_counter() - start
+        prepared = time.perf_counter() - start
+        return prepared + (materializer or self.materializer).submit(
+            WriteJob(checkpoint, path, record)
+        )
 
     def flush(self) -> None:
         self._last_flush = time.perf_counter()
@@ -261,8 +278,15 @@ class Recorder:
         """
         if not self.recording:
             return None
+        started = time.perf_counter()
         self.flush()
+        prepaid = getattr(self.materializer, "prepaid", 0.0)  # buffered writes charged already
         self.materializer.close()
+        waited = time.perf_counter() - started - prepaid
+        if waited >= 0:
+            self.policy.charge_fixed(waited)
+        else:
+            self.policy.charge(waited)  # the writes took less than their submits were charged
         for failure in self.materializer.failures:
             warnings.warn(f"{self.name}: {failure}", stacklevel=3)
         self.store.finish_run(self.run_id, status)
@@ -272,7 +296,8 @@ class Recorder:
         return (
             f"{self.name}: recorded {self.store.run_dir(self.run_id)} "
             f"({self.policy.epochs} epochs, {self.policy.checkpoints} checkpoints, "
-            f"checkpoint cost {self.policy.overhead:.2%} of compute, "
+            f"record overhead {self.policy.overhead:.2%} of training compute (outside checkpoints "
+            f"{self.policy.total_fixed / max(self.policy.total_compute, 1e-12):.2%}), "
             f"budget {self.policy.epsilon:.2%})"
         )
 
@@ -307,13 +332,15 @@ class Recorder:
         """The mean measured cost of this run's checkpoints; before the first, a measured probe.
 
         Measured cost is main-thread time plus the slowdown background writes caused (see
-        :mod:`stalwart.hindsight.interference`). The mean, not the last value: with buffered small
-        checkpoints most cost a copy and every few a fork; the mean is what one more costs.
+        :mod:`stalwart.hindsight.interference`). The median of the last few, not the last value
+        nor the mean of all: one noisy epoch charged to a checkpoint must not set the price of
+        every later one.
         """
         if self.policy.checkpoints:
-            return self.policy.total_materialize / self.policy.checkpoints
+            return self.policy.typical_cost
         if self._cost_estimate is None:
             self._cost_estimate = self.materializer.probe_cost(
                 state_bytes(), self.store.run_dir(self.run_id)
             )
+            self.policy.prior(self._cost_estimate)
         return self._cost_estimate

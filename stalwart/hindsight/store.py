@@ -102,6 +102,9 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 def _connect(db: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(db, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
     conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    # Per connection: in WAL mode NORMAL survives any process crash and keeps the database
+    # consistent on power loss; FULL's fsync per commit costs a checkpoint's index row ~4 ms.
+    conn.execute("PRAGMA synchronous = NORMAL")
     return conn
 
 
