@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
+import math
 import os
 import statistics
 import subprocess
@@ -307,6 +309,8 @@ class FitResult:
     main_thread_seconds: float = 0.0
     interference_seconds: float = 0.0
     background_seconds: float = 0.0
+    max_gap: int = 0
+    gap_bound: int = 0
 
 
 def fit_once(workload: Workload, variant: str) -> FitResult:
@@ -357,9 +361,10 @@ def fit_once(workload: Workload, variant: str) -> FitResult:
                 result.main_thread_seconds = float(decisions["measured_cost"].fillna(0.0).sum())
                 if "interference" in decisions:  # slowdown of batches by background writes
                     result.interference_seconds = float(decisions["interference"].sum())
-                result.policy_overhead = (
-                    result.main_thread_seconds + result.interference_seconds
-                ) / float(decisions["compute_time"].sum())
+                # The record's own figure, as its summary prints it: checkpoints (main thread,
+                # deferred writes, interference) plus start, finish and log capture.
+                result.policy_overhead = callback.policy.overhead
+                result.max_gap, result.gap_bound = checkpoint_coverage(decisions, EPSILON)
             finally:
                 store.close()
         elif variant == "modelckpt":
@@ -368,6 +373,19 @@ def fit_once(workload: Workload, variant: str) -> FitResult:
             result.ckpt_bytes = max((f.stat().st_size for f in files), default=0)
     del fit_trainer, model, data
     return result
+
+
+def checkpoint_coverage(decisions: Any, epsilon: float) -> tuple[int, int]:
+    """The longest run of epochs without a checkpoint (from the initial state, epoch -1) and
+    its bound ``ceil(r / eps) + 1``, r = the median checkpoint's measured cost / mean compute."""
+    taken = [-1, *decisions.epoch[decisions.checkpoint == 1].tolist()]
+    last = int(decisions.epoch.max())
+    gaps = [b - a for a, b in zip(taken, [*taken[1:], last + 1], strict=True)]
+    costs = decisions.measured_cost.dropna()
+    if costs.empty:
+        return max(gaps), 0
+    ratio = float(costs.median()) / float(decisions.compute_time.mean())
+    return max(gaps), math.ceil(ratio / epsilon) + 1
 
 
 def part1(workload: Workload, reps: int) -> dict[str, Any]:
@@ -619,10 +637,154 @@ def part2(workload: Workload, reps: int) -> dict[str, float]:
 # -- main ---------------------------------------------------------------------------------------
 
 
+# -- the matrix (--matrix) -----------------------------------------------------------------------
+
+MATRIX_STATE_MB = (1, 10, 100, 500)
+MATRIX_EPOCH_SECONDS = (0.1, 1.0, 5.0)
+MATRIX_THREADS = (1, 2)
+CELL_BUDGET_SECONDS = 20 * 60
+VALIDATION_SAMPLES = 360  # digits' validation split
+
+
+def step_seconds(width: int, depth: int, batch_size: int) -> float:
+    """Seconds of one training step (forward, backward, SGD step) of the model, measured."""
+    model = DigitsClassifier(width=width, depth=depth).net
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(batch_size, 64), torch.randint(0, 10, (batch_size,))
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def sized_workload(state_mb: float, epoch_seconds: float, epochs: int) -> Workload | str:
+    """A digits MLP whose checkpoint (weights + SGD momentum) is ~state_mb and whose epoch lasts
+    ~epoch_seconds on this machine now; or why no such workload fits."""
+    depth, batch_size = 3, 32
+    width = max(8, int(math.sqrt(state_mb * MB / 8 / 2)))  # 2 hidden layers of width^2 weights
+    step = step_seconds(width, depth, batch_size)
+    validation = VALIDATION_SAMPLES / batch_size * step / 3  # forward only
+    batches = round((epoch_seconds - validation) / step)
+    if batches < 1:
+        return f"one step + validation take {step + validation:.2f} s > {epoch_seconds} s"
+    samples = batches * batch_size
+    train_size = min(samples, 1437)
+    return Workload(
+        f" {state_mb} MB / {epoch_seconds} s",
+        width=width,
+        depth=depth,
+        batch_size=batch_size,
+        train_size=train_size,
+        repeats=math.ceil(samples / train_size),
+        epochs=epochs,
+    )
+
+
+def matrix(args: argparse.Namespace) -> None:
+    """Plain vs recorded over state size x epoch length x torch threads, interleaved."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "matrix.json"
+    done = json.loads(results_path.read_text()) if results_path.exists() else {}
+    sizes = [float(v) for v in args.sizes.split(",")]
+    lengths = [float(v) for v in args.epoch_seconds.split(",")]
+    threads = [int(v) for v in args.matrix_threads.split(",")]
+    for n_threads in threads:
+        torch.set_num_threads(n_threads)
+        for size in sizes:
+            for length in lengths:
+                key = f"{size:g}MB/{length:g}s/{n_threads}t"
+                if key in done:
+                    continue
+                estimate = 2 * args.reps * (args.epochs * length * 1.1 + 2)
+                workload = sized_workload(size, length, args.epochs)
+                if isinstance(workload, str) or estimate > CELL_BUDGET_SECONDS:
+                    why = workload if isinstance(workload, str) else f"~{estimate:.0f} s > budget"
+                    done[key] = {"skipped": why}
+                    print(f"{key}: skipped ({why})", flush=True)
+                else:
+                    done[key] = matrix_cell(workload, args.reps)
+                    print(f"{key}: {done[key]}", flush=True)
+                results_path.write_text(json.dumps(done, indent=1))
+    print_matrix(done)
+
+
+def matrix_cell(workload: Workload, reps: int) -> dict[str, Any]:
+    fit_once(replace(workload, epochs=2), "plain")  # warm-up
+    plain, recorded = [], []
+    for rep in range(reps):
+        for variant in rotated(("plain", "hindsight"), rep):
+            (plain if variant == "plain" else recorded).append(fit_once(workload, variant))
+    ratios = [r.seconds / p.seconds - 1 for p, r in zip(plain, recorded, strict=True)]
+    return {
+        "epoch_s": median([p.seconds for p in plain]) / workload.epochs,
+        "state_mb": median([r.ckpt_bytes for r in recorded]) / MB,
+        "plain_s": median([p.seconds for p in plain]),
+        "recorded_s": median([r.seconds for r in recorded]),
+        "wall": median(ratios),
+        "wall_min": min(ratios),
+        "wall_max": max(ratios),
+        "policy": median([r.policy_overhead for r in recorded]),
+        "checkpoints": median([r.checkpoints for r in recorded]),
+        "max_gap": max(r.max_gap for r in recorded),
+        "gap_bound": max(r.gap_bound for r in recorded),
+    }
+
+
+def print_matrix(done: dict[str, Any]) -> None:
+    rows, measured = [], []
+    for key, cell in done.items():
+        if "skipped" in cell:
+            rows.append([key, "skipped: " + cell["skipped"], *[""] * 6])
+            continue
+        measured.append(cell)
+        gap_ok = cell["gap_bound"] == 0 or cell["max_gap"] <= cell["gap_bound"]
+        rows.append([
+            key,
+            f"{cell['state_mb']:.1f} MB, {cell['epoch_s']:.2f} s/epoch",
+            f"{cell['wall']:+.1%} ({cell['wall_min']:+.1%}..{cell['wall_max']:+.1%})",
+            f"{cell['policy']:.1%}",
+            f"{abs(cell['wall'] - cell['policy']) * 100:.1f}",
+            f"{cell['checkpoints']:.0f}",
+            f"{cell['max_gap']} <= {cell['gap_bound']}: {'yes' if gap_ok else 'NO'}",
+            "yes" if cell["wall"] <= EPSILON else "NO",
+        ])  # fmt: skip
+    print("\n== Matrix: wall-clock overhead of HindsightCallback (median of paired ratios)")
+    print(table(["cell", "measured workload", "wall clock", "policy", "|diff| pp", "ckpts",
+                 "max gap <= bound", "<= eps"], rows))  # fmt: skip
+    if measured:
+        walls = [c["wall"] for c in measured]
+        diffs = [abs(c["wall"] - c["policy"]) for c in measured]
+        print(f"\ncells within eps {EPSILON:.2%}: {sum(w <= EPSILON for w in walls)} of "
+              f"{len(walls)}; median over cells {statistics.median(walls):+.2%} (target <= 2%); "
+              f"policy within 2 pp of the wall clock in {sum(d <= 0.02 for d in diffs)} of "
+              f"{len(diffs)} cells")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and epochs")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    parser.add_argument(
+        "--matrix", action="store_true",
+        help="plain vs recorded over state size x epoch length x torch threads",
+    )  # fmt: skip
+    parser.add_argument("--sizes", default=",".join(map(str, MATRIX_STATE_MB)), help="MB")
+    parser.add_argument(
+        "--epoch-seconds", default=",".join(map(str, MATRIX_EPOCH_SECONDS)), help="seconds"
+    )
+    parser.add_argument("--matrix-threads", default=",".join(map(str, MATRIX_THREADS)))
+    parser.add_argument("--reps", type=int, default=3, help="matrix: repetitions per cell")
+    parser.add_argument("--epochs", type=int, default=20, help="matrix: epochs per fit")
+    parser.add_argument(
+        "--out", default="record_overhead_matrix", help="matrix: folder of matrix.json "
+        "(cells already in it are not measured again: an interrupted run resumes)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -631,6 +793,13 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
+    if args.matrix:
+        print(
+            f"record_overhead --matrix: stalwart {stalwart.__version__} ({source_revision()}), "
+            f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}", flush=True
+        )  # fmt: skip
+        matrix(args)
+        return
     quick = args.quick
     small = Workload(
         "a (small checkpoint)",

@@ -92,7 +92,8 @@ class JointInvariantPolicy:
         #: finish (store, fingerprints, the initial state, waiting for the last write).
         self.total_fixed = 0.0
         self.recent_costs: deque[float] = deque(maxlen=self.RECENT)
-        self.last_checkpoint_epochs = 0  # ``epochs`` when the last checkpoint was taken
+        # ``epochs`` when the last checkpoint was taken (0: the state training started from)
+        self.last_checkpoint_epochs = 0
         self.compute_at_last_checkpoint = 0.0  # ``total_compute`` then
 
     @property
@@ -144,7 +145,7 @@ class JointInvariantPolicy:
         take = self.should_checkpoint(n, k, materialize_cost, mean_compute) and (
             self.total_materialize + materialize_cost <= self.epsilon * self.total_compute
         )
-        if not take and k > 0 and mean_compute > 0:
+        if not take and mean_compute > 0:
             # Coverage: past costs (a noisy epoch charged to a checkpoint, the record's start)
             # must not leave the rest of the run without checkpoints. After the steady period,
             # a checkpoint is taken if it fits the budget of the compute since the last one:
