@@ -377,11 +377,12 @@ def fit_once(workload: Workload, variant: str) -> FitResult:
 
 def checkpoint_coverage(decisions: Any, epsilon: float) -> tuple[int, int]:
     """The longest run of epochs without a checkpoint (from the initial state, epoch -1) and
-    its bound ``ceil(r / eps) + 1``, r = the median checkpoint's measured cost / mean compute."""
+    its bound ``ceil(r / eps) + 1``, r = the median cost the policy decided with (measured main
+    thread, deferred write and interference of recent checkpoints) / mean compute."""
     taken = [-1, *decisions.epoch[decisions.checkpoint == 1].tolist()]
     last = int(decisions.epoch.max())
     gaps = [b - a for a, b in zip(taken, [*taken[1:], last + 1], strict=True)]
-    costs = decisions.measured_cost.dropna()
+    costs = decisions.materialize_cost.dropna()
     if costs.empty:
         return max(gaps), 0
     ratio = float(costs.median()) / float(decisions.compute_time.mean())
