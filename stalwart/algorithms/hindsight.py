@@ -35,7 +35,12 @@ from stalwart.hindsight.plan import INNER, Segment
 from stalwart.hindsight.recorder import Recorder, RecordOptions
 from stalwart.hindsight.replay import ReplayResult
 from stalwart.hindsight.store import CheckpointEntry, HindsightStore
-from stalwart.hindsight.writeback import LOGGERS_KEY, absolute_tracking_uri
+from stalwart.hindsight.writeback import (
+    LOGGERS_KEY,
+    mlflow_target,
+    tensorboard_target,
+    unsupported_target,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -148,15 +153,11 @@ def describe_destinations(callbacks: Iterable[Any]) -> list[dict[str, Any]]:
         ):
             continue
         if isinstance(destination, TensorboardLogger) and destination.writer is not None:
-            log_dir = os.path.abspath(destination.writer.log_dir)
-            described.append({"kind": "tensorboard", "log_dir": log_dir})
+            described.append(tensorboard_target(destination.writer.log_dir))
         elif isinstance(destination, MLFlowLogger) and destination._run_id is not None:
-            described.append(
-                {"kind": "mlflow", "tracking_uri": absolute_tracking_uri(destination.tracking_uri),
-                 "run_id": destination._run_id}
-            )  # fmt: skip
+            described.append(mlflow_target(destination.tracking_uri, destination._run_id))
         else:
-            described.append({"kind": "unsupported", "name": type(destination).__name__})
+            described.append(unsupported_target(destination))
     return described
 
 

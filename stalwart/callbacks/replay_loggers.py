@@ -17,7 +17,13 @@ import pandas as pd
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger
 
 from stalwart.callbacks.replay import BATCH_LEVEL_HOOKS
-from stalwart.hindsight.writeback import REPLAY_PREFIX, absolute_tracking_uri
+from stalwart.hindsight.writeback import (
+    REPLAY_PREFIX,
+    csv_target,
+    mlflow_target,
+    tensorboard_target,
+    unsupported_target,
+)
 
 
 def describe_loggers(loggers: Iterable[Logger]) -> list[dict[str, Any]]:
@@ -25,17 +31,13 @@ def describe_loggers(loggers: Iterable[Logger]) -> list[dict[str, Any]]:
     described = []
     for logger in loggers:
         if isinstance(logger, TensorBoardLogger):
-            described.append({"kind": "tensorboard", "log_dir": os.path.abspath(logger.log_dir)})
+            described.append(tensorboard_target(logger.log_dir))
         elif isinstance(logger, CSVLogger):
-            path = os.path.join(os.path.abspath(logger.log_dir), "metrics.csv")
-            described.append({"kind": "csv", "path": path})
+            described.append(csv_target(os.path.join(logger.log_dir, "metrics.csv")))
         elif isinstance(logger, MLFlowLogger):
-            described.append(
-                {"kind": "mlflow", "tracking_uri": absolute_tracking_uri(logger._tracking_uri),
-                 "run_id": logger.run_id}
-            )  # fmt: skip
+            described.append(mlflow_target(logger._tracking_uri, logger.run_id))
         else:
-            described.append({"kind": "unsupported", "name": type(logger).__name__})
+            described.append(unsupported_target(logger))
     return described
 
 

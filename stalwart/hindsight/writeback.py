@@ -36,8 +36,25 @@ REPLAY_PREFIX = "replay/"
 LOGGERS_KEY = "loggers"
 
 
-def absolute_tracking_uri(uri: str) -> str:
-    """An MLflow tracking URI that a replay finds from any working directory."""
+def tensorboard_target(log_dir: str | os.PathLike) -> dict[str, Any]:
+    return {"kind": "tensorboard", "log_dir": os.path.abspath(log_dir)}
+
+
+def csv_target(path: str | os.PathLike) -> dict[str, Any]:
+    return {"kind": "csv", "path": os.path.abspath(path)}
+
+
+def mlflow_target(tracking_uri: str, run_id: str) -> dict[str, Any]:
+    uri = _absolute_tracking_uri(tracking_uri)
+    return {"kind": "mlflow", "tracking_uri": uri, "run_id": run_id}
+
+
+def unsupported_target(logger: object) -> dict[str, Any]:
+    return {"kind": "unsupported", "name": type(logger).__name__}
+
+
+def _absolute_tracking_uri(uri: str) -> str:
+    # A relative file store (file:./mlruns) must still be found from another working directory.
     if uri.startswith("file:") and not uri.startswith("file:/"):
         return "file:" + os.path.abspath(uri[len("file:") :])
     if "://" not in uri and not uri.startswith("file:"):
