@@ -28,10 +28,6 @@ class SegmentEstimate:
     batches: int
     seconds: float
 
-    @property
-    def executed(self) -> list[int]:
-        return self.segment.executed
-
 
 @dataclass(frozen=True)
 class ReplayEstimate:

@@ -57,12 +57,3 @@ def recorded_numerics(settings: Mapping[str, Any]) -> Iterator[None]:
         yield
     finally:
         restore_numerics(own)
-
-
-def numerics_differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """``name: recorded -> current`` for every setting that differs (for error messages)."""
-    return [
-        f"{name}: {recorded[name]!r} -> {current.get(name)!r}"
-        for name in sorted(recorded)
-        if current.get(name) != recorded[name]
-    ]

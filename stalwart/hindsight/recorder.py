@@ -247,14 +247,7 @@ class Recorder:
         # The epoch clock restarts after the checkpoint: C must not include M.
         self._clock += measured
 
-    def write(
-        self,
-        snapshot: Callable[[], Any],
-        epoch: int,
-        name: str,
-        step: int,
-        materializer: Materializer | None = None,
-    ) -> float:
+    def write(self, snapshot: Callable[[], Any], epoch: int, name: str, step: int) -> float:
         """Snapshot the state and hand it to the materializer; returns the seconds it costs
         training: the snapshot plus what the materializer charges (its main-thread time and,
         for a buffered checkpoint, the write it defers)."""
@@ -263,9 +256,7 @@ class Recorder:
         path = self.store.run_dir(self.run_id) / name
         record = checkpoint_recorder(self.store.db_path, self.run_id, epoch, step)
         prepared = time.perf_counter() - start
-        return prepared + (materializer or self.materializer).submit(
-            WriteJob(checkpoint, path, record)
-        )
+        return prepared + self.materializer.submit(WriteJob(checkpoint, path, record))
 
     def flush(self) -> None:
         self._last_flush = time.perf_counter()
