@@ -17,6 +17,7 @@ from stalwart.errors import (
     RunDirectoryError,
     RunNotFoundError,
     StalwartError,
+    UnsafeCheckpointError,
 )
 
 __version__ = "0.1.0"
@@ -58,6 +59,7 @@ __all__ = [
     "StaleGNNModule",
     "StaleGatherDataModule",
     "StalwartError",
+    "UnsafeCheckpointError",
     "Trainer",
     "gnn",
     "hindsight",

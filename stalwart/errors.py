@@ -29,3 +29,7 @@ class ReplayError(StalwartError):
 
 class StoreUnavailableError(StalwartError, ConnectionError):
     """The parameter-server store cannot be reached (at start, or for longer than the patience)."""
+
+
+class UnsafeCheckpointError(StalwartError):
+    """A checkpoint holds pickled objects that a ``weights_only`` load refuses to run."""

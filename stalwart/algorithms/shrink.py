@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -30,7 +31,12 @@ from stalwart.shrink.container import is_shrunk_file
 from stalwart.shrink.entropy import DEFAULT_CODER
 from stalwart.shrink.gradients import GradientEMA
 from stalwart.shrink.partition import layer_types_of
-from stalwart.shrink.scoring import first_batches, live_evaluator, screening_batches
+from stalwart.shrink.scoring import (
+    first_batches,
+    live_continuation,
+    live_evaluator,
+    screening_batches,
+)
 from stalwart.shrink.search import DEFAULT_SCREEN_ACCEPT, ConfigSearch
 
 #: The Shrink whose saver is writing right now (Composer's writer is a module function).
@@ -72,6 +78,27 @@ composer_checkpoint._write_checkpoint_file = _write_checkpoint_file
 composer_checkpoint.safe_torch_load = _safe_torch_load
 
 
+def _total_loss(loss: Any) -> torch.Tensor:
+    """A ComposerModel's loss as one tensor (it may return a dict or a tuple of parts)."""
+    if isinstance(loss, Mapping):
+        return loss["total"] if "total" in loss else sum(loss.values())
+    if isinstance(loss, (tuple, list)):
+        return sum(loss)
+    return loss
+
+
+def _load_named_state(optimizer: torch.optim.Optimizer, state: Mapping) -> None:
+    """Load a Composer checkpoint's optimizer state (keyed by parameter name, the names listed in
+    its groups in the optimizer's own order) into a torch optimizer (keyed by position)."""
+    position: dict[Any, int] = {}
+    groups = []
+    for group in state["param_groups"]:
+        ids = [position.setdefault(name, len(position)) for name in group["params"]]
+        groups.append({**group, "params": ids})
+    per_parameter = {position[name]: value for name, value in state["state"].items()}
+    optimizer.load_state_dict({"state": per_parameter, "param_groups": groups})
+
+
 class Shrink(Algorithm):
     """Checkpoints 20-40x smaller within a quality bound, written by Composer's checkpointing.
 
@@ -84,7 +111,10 @@ class Shrink(Algorithm):
     Args:
         tau: largest relative increase of the held-out loss a checkpoint may cause.
         keyframe_every: a full checkpoint (no delta) every this many saves.
-        compress_optimizer: ``"lossless"`` (default) or ``"lossy"`` optimizer state.
+        compress_optimizer: ``"auto"`` (default: the optimizer moments' form chosen by a short
+            continuation of training, see :mod:`stalwart.shrink.moments`), ``"lossless"`` or
+            ``"lossy"`` (every optimizer tensor quantized, unchecked).
+        continue_steps: optimizer steps of that continuation (on the last training batches).
         eval_batches: how many batches of the first evaluator the search scores candidates on.
         screen_fraction, screen_accept, per_type_bins: as in
             :class:`stalwart.callbacks.shrink.ShrinkCheckpoint` (the same search).
@@ -114,7 +144,8 @@ class Shrink(Algorithm):
         self,
         tau: float = 0.05,
         keyframe_every: int = 10,
-        compress_optimizer: str = "lossless",
+        compress_optimizer: str = "auto",
+        continue_steps: int = 4,
         eval_batches: int = 2,
         screen_fraction: float = 0.125,
         screen_accept: float = DEFAULT_SCREEN_ACCEPT,
@@ -132,6 +163,8 @@ class Shrink(Algorithm):
             raise ConfigurationError(f"screen_fraction must be in [0, 1), got {screen_fraction}")
         if grad_window < 0:
             raise ConfigurationError(f"grad_window must be >= 0, got {grad_window}")
+        if continue_steps < 1:
+            raise ConfigurationError(f"continue_steps must be >= 1, got {continue_steps}")
         self.writer = ChainWriter(
             tau=tau, keyframe_every=keyframe_every, compress_optimizer=compress_optimizer,
             coder=coder,
@@ -145,6 +178,8 @@ class Shrink(Algorithm):
         self.grad_window = grad_window
         self._state: State | None = None
         self._held_out: list[Any] | None = None
+        self.continue_steps = continue_steps
+        self._recent: deque[Any] = deque(maxlen=continue_steps)
 
     def __repr__(self) -> str:
         return f"Shrink(tau={self.tau}, keyframe_every={self.writer.keyframe_every})"
@@ -155,13 +190,15 @@ class Shrink(Algorithm):
         return self.writer.reports
 
     def match(self, event: Event, state: State) -> bool:
-        if event == Event.INIT:
+        if event in (Event.INIT, Event.BATCH_END):
             return True
         return event == Event.AFTER_BACKWARD and self._in_window(state)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
             self._install(state)
+        elif event == Event.BATCH_END:
+            self._recent.append(state.batch)  # what the optimizer check trains on
         else:
             self.ema.update(state.model.named_parameters())
 
@@ -237,8 +274,23 @@ class Shrink(Algorithm):
             gradients=self.ema.take(),
             layer_types=layer_types_of(model),
             search=self.search,
+            continue_training=self._continuation(state),
+            parameter_shapes=[
+                {name: tuple(p.shape) for name, p in model.named_parameters()}
+                for _ in state.optimizers
+            ],
         )
         self.writer.save(weights, extra, filename, request)
+
+    def _continuation(self, state: State):
+        if not state.optimizers:
+            return None
+        batches = list(self._recent) or self._held_out_batches(state)
+        return live_continuation(
+            state.model, list(state.optimizers), batches[-self.continue_steps :],
+            lambda model, batch, index: _total_loss(model.loss(model(batch), batch)),
+            self._scorer(state), load_optimizer_state=_load_named_state,
+        )  # fmt: skip
 
     def _scorer(self, state: State) -> Callable[[torch.nn.Module], float]:
         if self.evaluate is not None:
@@ -248,14 +300,7 @@ class Shrink(Algorithm):
     @staticmethod
     def _mean_loss(batches: list[Any]) -> Callable[[torch.nn.Module], float]:
         def mean_loss(model: torch.nn.Module) -> float:
-            losses = []
-            for batch in batches:
-                loss = model.loss(model(batch), batch)
-                if isinstance(loss, Mapping):
-                    loss = loss["total"] if "total" in loss else sum(loss.values())
-                elif isinstance(loss, (tuple, list)):
-                    loss = sum(loss)
-                losses.append(float(loss))
+            losses = [float(_total_loss(model.loss(model(batch), batch))) for batch in batches]
             return sum(losses) / len(losses)
 
         return mean_loss

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,27 +16,40 @@ from stalwart.shrink.api import ShrinkReport
 from stalwart.shrink.entropy import DEFAULT_CODER
 from stalwart.shrink.gradients import GradientEMA
 from stalwart.shrink.partition import layer_types_of
-from stalwart.shrink.scoring import first_batches, live_evaluator, screening_batches
+from stalwart.shrink.scoring import (
+    first_batches,
+    live_continuation,
+    live_evaluator,
+    screening_batches,
+)
 from stalwart.shrink.search import DEFAULT_SCREEN_ACCEPT, ConfigSearch
 
 
 class ShrinkCheckpoint(ModelCheckpoint):
-    """Checkpoints 20-40x smaller, within a quality bound (Inshrinkerator).
+    """Whole checkpoints (weights and optimizer state) many times smaller, within a quality bound
+    (Inshrinkerator for the weights; see ``docs/shrink.md`` for measured ratios).
 
     Schedules saves exactly like :class:`~lightning.pytorch.callbacks.ModelCheckpoint` (it is
     one). Each save searches the quantization whose held-out loss is at most ``tau`` (relative)
     worse than the uncompressed weights', guided by a gradient EMA captured during the last
     ``grad_window`` batches before the save, and stores the quantized weights as a delta against
-    the previous save. Resuming with ``trainer.fit(ckpt_path=...)`` reads shrunken files
-    transparently (the callback installs :class:`~stalwart.plugins.ShrinkCheckpointIO`, which still
-    reads plain checkpoints too).
+    the previous save. The optimizer's moments are stored in the most compressed form whose short
+    continuation of training (``continue_steps`` steps on the last training batches, from the
+    restored weights) is within ``tau`` of continuing from the exact state
+    (:mod:`stalwart.shrink.moments`). Resuming with ``trainer.fit(ckpt_path=...)`` reads shrunken
+    files transparently (the callback installs :class:`~stalwart.plugins.ShrinkCheckpointIO`,
+    which still reads plain checkpoints too).
 
     Args:
         dirpath: where checkpoints go (as in ``ModelCheckpoint``).
         tau: largest relative increase of the held-out loss a checkpoint may cause.
         every_n_epochs: save every this many epochs (``every_n_train_steps`` also works).
         keyframe_every: a full checkpoint (no delta) every this many saves.
-        compress_optimizer: ``"lossless"`` (default) or ``"lossy"`` optimizer state.
+        compress_optimizer: ``"auto"`` (default: the moments' form chosen by the continuation
+            check; lossless under manual optimization, where no step can be replayed),
+            ``"lossless"`` or ``"lossy"`` (every optimizer tensor quantized, unchecked).
+        continue_steps: optimizer steps of the continuation check (the last this many training
+            batches before the save are kept for it).
         eval_batches: how many validation batches the search scores candidates on. Scoring
             dominates compression time; two batches measure the relative degradation within
             ~10% of the whole validation set's (char transformer, 8k characters a batch).
@@ -75,7 +89,8 @@ class ShrinkCheckpoint(ModelCheckpoint):
         tau: float = 0.05,
         every_n_epochs: int | None = 1,
         keyframe_every: int = 10,
-        compress_optimizer: str = "lossless",
+        compress_optimizer: str = "auto",
+        continue_steps: int = 4,
         eval_batches: int = 2,
         screen_fraction: float = 0.125,
         screen_accept: float = DEFAULT_SCREEN_ACCEPT,
@@ -97,6 +112,8 @@ class ShrinkCheckpoint(ModelCheckpoint):
             raise ConfigurationError(
                 f"grad_window must be >= 0 and grad_beta in (0, 1]; got {grad_window}, {grad_beta}"
             )
+        if continue_steps < 1:
+            raise ConfigurationError(f"continue_steps must be >= 1, got {continue_steps}")
         if kwargs.get("every_n_train_steps"):
             every_n_epochs = None
         super().__init__(
@@ -118,6 +135,8 @@ class ShrinkCheckpoint(ModelCheckpoint):
         self.ema = GradientEMA(grad_beta)
         self._held_out: list[Any] | None = None
         self._batch_idx = 0
+        self.continue_steps = continue_steps
+        self._recent: deque[Any] = deque(maxlen=continue_steps)
 
     @property
     def reports(self) -> list[ShrinkReport]:
@@ -158,6 +177,10 @@ class ShrinkCheckpoint(ModelCheckpoint):
         if self._in_window(trainer):
             self.ema.update(pl_module.named_parameters())
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._recent.append(batch)  # what the continuation check trains on
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
     # --- the save itself ---------------------------------------------------------------------
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
@@ -168,6 +191,11 @@ class ShrinkCheckpoint(ModelCheckpoint):
             gradients=self.ema.take(),
             layer_types=layer_types_of(module),
             search=self.search,
+            continue_training=self._continuation(trainer, module),
+            parameter_shapes=[
+                dict(enumerate(tuple(p.shape) for g in o.param_groups for p in g["params"]))
+                for o in trainer.optimizers
+            ],
         )
         trainer.save_checkpoint(filepath, self.save_weights_only, storage_options=request)
         self._last_global_step_saved = trainer.global_step
@@ -193,6 +221,27 @@ class ShrinkCheckpoint(ModelCheckpoint):
         if batches is None:
             return None
         return live_evaluator(module, lambda scored: self._mean_loss(scored, batches))
+
+    def _continuation(self, trainer: pl.Trainer, module: pl.LightningModule):
+        """The optimizer check's ``continue_training``; None where steps cannot be replayed."""
+        if not module.automatic_optimization or not trainer.optimizers:
+            return None
+        batches = list(self._recent) or self._held_out_batches(trainer, module)
+        held_out = self._held_out_batches(trainer, module)
+        score = self.evaluate or (lambda scored: self._mean_loss(scored, held_out))
+        return live_continuation(
+            module, trainer.optimizers, batches[-self.continue_steps :], self._step_loss, score
+        )
+
+    @staticmethod
+    def _step_loss(module: pl.LightningModule, batch: Any, index: int) -> torch.Tensor:
+        silent = lambda *args, **kwargs: None  # noqa: E731 - logging is not part of the check
+        module.log, module.log_dict = silent, silent
+        try:
+            output = module.training_step(batch, index)
+            return output["loss"] if isinstance(output, Mapping) else output
+        finally:
+            del module.log, module.log_dict
 
     @staticmethod
     def _mean_loss(module: pl.LightningModule, batches: list[Any]) -> float:

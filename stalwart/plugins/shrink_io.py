@@ -22,8 +22,9 @@ class ShrinkCheckpointIO(CheckpointIO):
     """Saves Lightning checkpoints as shrunken delta chains; loads them (and plain ones) back.
 
     The model weights (``checkpoint["state_dict"]``) are quantized and delta-coded against the
-    previous checkpoint this plugin wrote; everything else (optimizer state, loops, callbacks) is
-    stored losslessly unless ``compress_optimizer="lossy"``. Loading follows the chain, so
+    previous checkpoint this plugin wrote; the optimizer's moments in the form the save's
+    continuation check accepts (``ShrinkCheckpoint`` brings one; a save without one keeps them
+    lossless); everything else (loops, callbacks) losslessly. Loading follows the chain, so
     ``trainer.fit(ckpt_path=...)`` resumes from a shrunken file as from any other. A checkpoint
     that a later delta still needs is never deleted: ``remove_checkpoint`` retires it, and it is
     deleted once nothing depends on it.
@@ -35,7 +36,8 @@ class ShrinkCheckpointIO(CheckpointIO):
             (default: 16 levels, no pruning, 0.5% protected).
         keyframe_every: a full (non-delta) checkpoint every this many saves; bounds restore time
             and how much one lost file costs.
-        compress_optimizer: ``"lossless"`` (default) or ``"lossy"`` (quantized, no delta).
+        compress_optimizer: ``"auto"`` (default; see
+            :class:`~stalwart.shrink.chain.ChainWriter`), ``"lossless"`` or ``"lossy"``.
         coder: entropy coder of the index streams: ``"auto"`` (default: per stream the
             smallest of rANS per previous level, rANS, and run lengths + zstd), ``"ans-grouped"``,
             ``"ans"``, ``"zstd"`` or ``"huffman"``.
@@ -53,7 +55,7 @@ class ShrinkCheckpointIO(CheckpointIO):
         tau: float = 0.05,
         config: QuantConfig | None = None,
         keyframe_every: int = 10,
-        compress_optimizer: str = "lossless",
+        compress_optimizer: str = "auto",
         coder: str = DEFAULT_CODER,
         delegate: CheckpointIO | None = None,
     ) -> None:
@@ -85,8 +87,9 @@ class ShrinkCheckpointIO(CheckpointIO):
         if not is_shrunk_file(path):
             fallback = self.delegate or TorchCheckpointIO()
             return fallback.load_checkpoint(path, map_location=map_location)
-        # A resumed fit continues the chain it was restored from.
-        weights, extra = self.writer.load(path)
+        # A resumed fit continues the chain it was restored from. Like torch.load (and Lightning)
+        # since torch 2.6, the non-tensor part loads weights-only unless the caller says False.
+        weights, extra = self.writer.load(path, weights_only=weights_only is not False)
         checkpoint = dict(extra or {})
         checkpoint["state_dict"] = weights
         return checkpoint

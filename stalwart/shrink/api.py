@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,15 @@ from stalwart.shrink.codec import (
 )
 from stalwart.shrink.container import SectionWriter
 from stalwart.shrink.entropy import DEFAULT_CODER, check_coder
+from stalwart.shrink.moments import (
+    LOSSLESS,
+    MomentChoice,
+    choose_setting,
+    iter_moment_forms,
+    moments_of,
+    optimizer_signature,
+    optimizer_states,
+)
 from stalwart.shrink.partition import QuantConfig, guess_layer_type
 from stalwart.shrink.quantize import QuantizedTensor, TensorAnalysis
 from stalwart.shrink.search import DEFAULT_SCREEN_ACCEPT, ConfigSearch, check_screen_accept
@@ -33,6 +43,8 @@ DEFAULT_CONFIG = QuantConfig(bins=16, prune=0.0, prune_metric="magnitude", prote
 LOSSY_OPTIMIZER_CONFIG = QuantConfig(bins=32, prune=0.0, prune_metric="magnitude", protect=0.01)
 MIN_QUANTIZED_NUMEL = 1024
 SMALL_TENSOR_MODES = ("bfloat16", "lossless")
+OPTIMIZER_MODES = ("auto", "lossless", "lossy")
+ContinueTraining = Callable[[Mapping[str, torch.Tensor], list[Mapping]], float]
 
 
 @dataclass
@@ -40,14 +52,17 @@ class ShrinkReport:
     """What one :func:`save` wrote.
 
     ``ratio`` compares the state_dict's raw tensor bytes with the bytes its part of the file
-    takes; ``total_ratio`` does the same for everything saved (weights + ``extra``, e.g. the
-    optimizer state of a Lightning checkpoint). ``config`` is None when nothing met ``tau`` and the
-    weights were stored losslessly. ``degradation`` (searched saves only) was measured on
-    ``degradation_on``: ``"evaluate"`` (the full scoring batches) or ``"screen"`` (an answer the
-    search accepted on the screen within its margin, see ``screen_accept``). ``search`` says which
-    search chose ``config``: ``"full"`` (the first checkpoint, or a later one whose neighbourhood
-    had nothing within tau: it may then be more aggressive than the previous checkpoint's) or
-    ``"neighbourhood"`` (never more aggressive); None when ``config`` was given.
+    takes; ``optimizer_ratio`` the same for the optimizer states found in ``extra``;
+    ``total_ratio`` for everything saved (weights + ``extra``, e.g. all of a Lightning
+    checkpoint: the bytes of the file on disk). ``optimizer`` says how the optimizer state was
+    stored and the continuation check that accepted it (see :mod:`stalwart.shrink.moments`).
+    ``config`` is None when nothing met ``tau`` and the weights were stored losslessly.
+    ``degradation`` (searched saves only) was measured on ``degradation_on``: ``"evaluate"``
+    (the full scoring batches) or ``"screen"`` (an answer the search accepted on the screen
+    within its margin, see ``screen_accept``). ``search`` says which search chose ``config``:
+    ``"full"`` (the first checkpoint, or a later one whose neighbourhood had nothing within tau:
+    it may then be more aggressive than the previous checkpoint's) or ``"neighbourhood"`` (never
+    more aggressive); None when ``config`` was given.
     """
 
     path: str
@@ -66,11 +81,18 @@ class ShrinkReport:
     screenings: int = 0
     degradation_on: str | None = None
     search: str | None = None
+    optimizer_bytes: int = 0
+    optimizer_stored: int = 0
+    optimizer: MomentChoice | None = None
     chain: ChainState | None = field(default=None, repr=False)
 
     @property
     def ratio(self) -> float:
         return self.weight_bytes / max(self.weight_stored, 1)
+
+    @property
+    def optimizer_ratio(self) -> float:
+        return self.optimizer_bytes / max(self.optimizer_stored, 1)
 
     @property
     def total_ratio(self) -> float:
@@ -127,7 +149,9 @@ def save(
     search: ConfigSearch | None = None,
     layer_types: Mapping[str, str] | None = None,
     extra: Any = None,
-    lossy_extra: bool = False,
+    compress_optimizer: str = "lossless",
+    continue_training: ContinueTraining | None = None,
+    parameter_shapes: Sequence[Mapping[Any, tuple[int, ...]]] | None = None,
     coder: str = DEFAULT_CODER,
     min_numel: int = MIN_QUANTIZED_NUMEL,
     small_tensors: str = "bfloat16",
@@ -154,8 +178,17 @@ def save(
         config: a fixed :class:`QuantConfig` instead of a search.
         search: a :class:`ConfigSearch` kept across saves (neighbourhood search); created if None.
         layer_types: name -> layer type (see :mod:`stalwart.shrink.partition`); guessed if None.
-        extra: any other object to store losslessly (e.g. the rest of a Lightning checkpoint).
-        lossy_extra: quantize floating tensors in ``extra`` too (no delta).
+        extra: any other object to store (e.g. the rest of a Lightning checkpoint); its optimizer
+            state dicts are found by their layout (``state`` + ``param_groups``).
+        compress_optimizer: ``"lossless"`` (default here), ``"auto"`` (the most compressed
+            moment setting whose short continuation of training is within ``tau``; lossless
+            without ``continue_training``) or ``"lossy"`` (every floating tensor of ``extra``
+            quantized to 32 levels, unchecked).
+        continue_training: ``continue_training(weights, optimizer_states) -> held-out loss``
+            after a few training steps from those (leaving no trace); see
+            :func:`stalwart.shrink.moments.choose_setting`.
+        parameter_shapes: per optimizer state (in the order they sit in ``extra``), its
+            parameter key -> parameter shape; a moment of another shape is stored losslessly.
         coder: entropy coder of the index streams: ``"auto"`` (default: per stream the smallest
             of rANS per previous level, rANS, and run lengths + zstd; measured: none wins
             everywhere), ``"ans-grouped"`` (rANS per previous level), ``"ans"``, ``"zstd"`` or
@@ -182,6 +215,10 @@ def save(
     if not tau >= 0.0:
         raise ConfigurationError(f"tau is a relative degradation >= 0, got {tau}")
     check_screen_accept(screen_accept)
+    if compress_optimizer not in OPTIMIZER_MODES:
+        raise ConfigurationError(
+            f"compress_optimizer must be one of {OPTIMIZER_MODES}, got {compress_optimizer!r}"
+        )
     path = Path(path)
     if not path.parent.is_dir():
         raise ConfigurationError(f"cannot write {path}: directory {path.parent} does not exist")
@@ -233,11 +270,69 @@ def save(
     else:
         config = DEFAULT_CONFIG
         quantized = {name: a.quantize(config) for name, a in analyses.items()}
+    restored = {
+        name: quantized[name].dequantize() if name in quantized else rounded.get(name, tensor)
+        for name, tensor in state_dict.items()
+    }
+    moments = _moment_plan(
+        extra, compress_optimizer, continue_training, parameter_shapes, restored, tau
+    )
     return _write(
-        state_dict, quantized, set(rounded), path, chain, config, extra, lossy_extra, coder,
-        min_numel, analyses, degradation, degradation_on, searched, start, search_seconds,
-        evaluations, screenings,
+        state_dict, quantized, set(rounded), path, chain, config, extra,
+        compress_optimizer == "lossy", coder, min_numel, analyses, degradation, degradation_on,
+        searched, start, search_seconds, evaluations, screenings, moments,
     )  # fmt: skip
+
+
+@dataclass
+class _MomentPlan:
+    """How the optimizer states in ``extra`` are written: a form per moment tensor (by id)."""
+
+    forms: dict[int, str]
+    tensor_ids: set[int]
+    raw_bytes: int
+    choice: MomentChoice | None
+    signature: list
+
+
+def _moment_plan(
+    extra: Any,
+    mode: str,
+    continue_training: ContinueTraining | None,
+    parameter_shapes: Sequence[Mapping[Any, tuple[int, ...]]] | None,
+    restored: dict[str, torch.Tensor],
+    tau: float,
+) -> _MomentPlan:
+    states = optimizer_states(extra)
+    ids = {
+        id(value)
+        for state in states
+        for per_parameter in state["state"].values()
+        if isinstance(per_parameter, Mapping)
+        for value in per_parameter.values()
+        if isinstance(value, torch.Tensor)
+    }
+    raw = _tensor_bytes([state["state"] for state in states])
+    plan = _MomentPlan({}, ids, raw, None, [optimizer_signature(state) for state in states])
+    if mode != "auto" or not states:
+        return plan
+    found = []
+    for index, state in enumerate(states):
+        shapes = None
+        if parameter_shapes is not None:
+            shapes = parameter_shapes[index] if index < len(parameter_shapes) else {}
+        moments, notes = moments_of(state, shapes)
+        for note in notes:
+            warnings.warn(note, UserWarning, stacklevel=3)
+        found.append(moments)
+    if continue_training is None:
+        plan.choice = MomentChoice(LOSSLESS, None, [], reason="no continuation check available")
+        return plan
+    plan.choice = choose_setting(
+        states, found, lambda candidate: continue_training(restored, list(candidate)), tau
+    )
+    plan.forms = {id(m.tensor): form for m, form in iter_moment_forms(found, plan.choice.setting)}
+    return plan
 
 
 def _write(
@@ -259,6 +354,7 @@ def _write(
     search_seconds: float,
     evaluations: int,
     screenings: int,
+    moments: _MomentPlan,
 ) -> ShrinkReport:
     sections = SectionWriter()
     entries: dict[str, dict] = {}
@@ -274,19 +370,32 @@ def _write(
             entries[name] = lossless_entry(tensor, sections)
     weight_stored = entries_bytes(entries)
     packed_extra = None
+    optimizer_stored = 0
     if extra is not None:
+        packed_ids: list[int] = []
         packed_extra = pack_object(
             extra,
             sections,
             lossy=LOSSY_OPTIMIZER_CONFIG if lossy_extra else None,
             min_numel=min_numel,
             coder=coder,
+            forms=moments.forms,
+            ids=packed_ids,
+        )
+        optimizer_stored = entries_bytes(
+            {
+                index: entry
+                for index, entry in enumerate(packed_extra["tensors"])
+                if packed_ids[index] in moments.tensor_ids
+            }
         )
     base = None
     if chain is not None:
         base = {"file": os.path.relpath(chain.path, path.parent), "crc32": chain.crc32}
     position = 0 if chain is None else chain.position + 1
-    version = format_version(entries, config)
+    version = format_version(
+        {**entries, **dict(enumerate(packed_extra["tensors"] if packed_extra else []))}, config
+    )
     header = {
         "format": version,
         "kind": "keyframe" if chain is None else "delta",
@@ -302,6 +411,14 @@ def _write(
         "extra": packed_extra,
         "weight_bytes": _tensor_bytes(state_dict),
         "extra_bytes": _tensor_bytes(extra),
+        "optimizer": {
+            "bytes": moments.raw_bytes,
+            "stored": optimizer_stored,
+            "signature": moments.signature,
+            "setting": None if moments.choice is None else moments.choice.setting.describe(),
+            "degradation": None if moments.choice is None else moments.choice.degradation,
+            "tried": [] if moments.choice is None else moments.choice.tried,
+        },
     }
     size, crc = sections.write(path, header, version)
     # Header and framing are charged to the weights: the header is mostly their tensor table.
@@ -315,6 +432,7 @@ def _write(
         indices={name: (q.indices, q.alphabet) for name, q in quantized.items()},
         config=config,
         levels={name: q.levels for name, q in quantized.items()},
+        optimizer_signature=moments.signature,
     )
     return ShrinkReport(
         path=str(path),
@@ -333,6 +451,9 @@ def _write(
         search_seconds=search_seconds,
         evaluations=evaluations,
         screenings=screenings,
+        optimizer_bytes=moments.raw_bytes,
+        optimizer_stored=optimizer_stored,
+        optimizer=moments.choice,
         chain=new_chain,
     )
 
@@ -347,8 +468,18 @@ def load(path: str | os.PathLike, *, map_location: Any = "cpu") -> dict[str, tor
     return {name: t.to(map_location) for name, t in tensors.items()}
 
 
-def load_with_extra(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Any, ChainState]:
-    """The state_dict, the ``extra`` object, and the chain state to continue the chain from."""
+def load_with_extra(
+    path: str | os.PathLike, *, weights_only: bool = True
+) -> tuple[dict[str, torch.Tensor], Any, ChainState]:
+    """The state_dict, the ``extra`` object, and the chain state to continue the chain from.
+
+    ``extra``'s non-tensor part is unpickled with ``weights_only`` as ``torch.load`` does
+    (default True: plain containers and numbers only, so a file from elsewhere runs no code;
+    :class:`~stalwart.errors.UnsafeCheckpointError` says what it refused). Pass False only for
+    files you trust.
+    """
     container, tensors, chain = decode_chain(path)
     packed = container.header.get("extra")
-    return tensors, (None if packed is None else unpack_object(container, packed)), chain
+    if packed is None:
+        return tensors, None, chain
+    return tensors, unpack_object(container, packed, weights_only=weights_only), chain

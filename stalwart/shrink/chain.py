@@ -5,6 +5,7 @@ differ in where the weights sit inside their checkpoint objects."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -15,27 +16,36 @@ import torch
 
 from stalwart.errors import ConfigurationError
 from stalwart.hindsight.checkpoint_file import temp_path_for
-from stalwart.shrink.api import ShrinkReport, load_with_extra, save
+from stalwart.shrink.api import (
+    OPTIMIZER_MODES,
+    ContinueTraining,
+    ShrinkReport,
+    load_with_extra,
+    save,
+)
 from stalwart.shrink.codec import ChainState
 from stalwart.shrink.container import read_header
 from stalwart.shrink.entropy import DEFAULT_CODER
+from stalwart.shrink.moments import optimizer_signature, optimizer_states
 from stalwart.shrink.partition import QuantConfig
 from stalwart.shrink.search import ConfigSearch
 
-OPTIMIZER_MODES = ("lossless", "lossy")
 RETIRED_FILE = ".shrink-retired.json"
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class ShrinkRequest:
     """What a caller adds to one save: the search's scoring (and screening) functions,
-    gradients, layer types."""
+    gradients, layer types, and the optimizer state's continuation check."""
 
     evaluate: Callable[[Mapping[str, torch.Tensor]], float] | None = None
     screen: Callable[[Mapping[str, torch.Tensor]], float] | None = None
     gradients: Mapping[str, torch.Tensor] | None = None
     layer_types: Mapping[str, str] | None = None
     search: ConfigSearch | None = None
+    continue_training: ContinueTraining | None = None
+    parameter_shapes: list[Mapping[Any, tuple[int, ...]]] | None = None
 
 
 class ChainWriter:
@@ -45,7 +55,10 @@ class ChainWriter:
         tau: quality bound for saves that come with an ``evaluate`` function.
         config: fixed :class:`~stalwart.shrink.QuantConfig` for saves without a search.
         keyframe_every: a full (non-delta) checkpoint every this many saves.
-        compress_optimizer: ``"lossless"`` (default) or ``"lossy"`` for ``extra``'s tensors.
+        compress_optimizer: ``"auto"`` (default: the most compressed moment setting whose short
+            continuation of training is within ``tau``, see :mod:`stalwart.shrink.moments`;
+            lossless when a save brings no continuation check), ``"lossless"`` or ``"lossy"``
+            (every floating tensor of ``extra`` quantized, unchecked).
         coder: entropy coder of the index streams: ``"auto"`` (default: per stream the
             smallest of rANS per previous level, rANS, and run lengths + zstd), ``"ans-grouped"``,
             ``"ans"``, ``"zstd"`` or ``"huffman"``.
@@ -62,7 +75,7 @@ class ChainWriter:
         tau: float = 0.05,
         config: QuantConfig | None = None,
         keyframe_every: int = 10,
-        compress_optimizer: str = "lossless",
+        compress_optimizer: str = "auto",
         coder: str = DEFAULT_CODER,
     ) -> None:
         if keyframe_every < 1:
@@ -97,6 +110,8 @@ class ChainWriter:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         previous = self.chain
+        if previous is not None and self._optimizer_changed(previous, extra):
+            previous = None
         if previous is not None and (
             previous.position + 1 >= self.keyframe_every
             or not previous.path.exists()
@@ -116,7 +131,9 @@ class ChainWriter:
             search=request.search,
             layer_types=request.layer_types,
             extra=extra,
-            lossy_extra=self.compress_optimizer == "lossy",
+            compress_optimizer=self.compress_optimizer,
+            continue_training=request.continue_training,
+            parameter_shapes=request.parameter_shapes,
             coder=self.coder,
         )
         self.chain = report.chain
@@ -124,9 +141,26 @@ class ChainWriter:
         self.collect_retired(path.parent)
         return report
 
-    def load(self, path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Any]:
-        """The weights and ``extra`` saved at ``path``; a resumed run continues this chain."""
-        weights, extra, chain = load_with_extra(path)
+    @staticmethod
+    def _optimizer_changed(previous: ChainState, extra: Any) -> bool:
+        if previous.optimizer_signature is None:
+            return False  # a file from before signatures were recorded
+        now = [optimizer_signature(state) for state in optimizer_states(extra)]
+        if now == previous.optimizer_signature:
+            return False
+        log.warning(
+            "the optimizer changed since %s (state keys / hyperparameters %s -> %s): this "
+            "checkpoint starts a new keyframe",
+            previous.path.name, previous.optimizer_signature, now,
+        )  # fmt: skip
+        return True
+
+    def load(
+        self, path: str | os.PathLike, *, weights_only: bool = True
+    ) -> tuple[dict[str, torch.Tensor], Any]:
+        """The weights and ``extra`` saved at ``path``; a resumed run continues this chain.
+        ``weights_only`` as in :func:`stalwart.shrink.load_with_extra`."""
+        weights, extra, chain = load_with_extra(path, weights_only=weights_only)
         self.chain = chain
         return weights, extra
 

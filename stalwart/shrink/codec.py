@@ -1,17 +1,20 @@
-"""Tensors to sections and back: quantized (delta-coded indices) or lossless (byte-shuffled zstd).
+"""Tensors to sections and back: quantized (delta-coded indices), optimizer moments in their
+cheaper forms (:mod:`stalwart.shrink.moments`), or lossless (byte planes, :mod:`.lossless`).
 
 A file's tensor table maps each name to an entry. Quantized entries hold the codebook, the coded
 delta stream and the protected values; decoding one needs the previous checkpoint's indices, which
 is why :func:`decode_chain` walks from the keyframe forward. Lossless entries (integer buffers,
-optimizer state, everything when no quantization met the bound) are byte-shuffled first: grouping
-the bytes of equal significance lets zstd find the repetition in exponents that interleaved floats
-hide. Bfloat16 entries (small float32 tensors such as biases and norms, next to quantized weights)
-are the same with the two low bytes of each value dropped.
+step counts, everything when no quantization met the bound) are coded by byte plane: grouping the
+bytes of equal significance exposes the repetition in exponents that interleaved floats hide.
+Bfloat16 entries (small float32 tensors such as biases and norms, next to quantized weights) are
+the same with the two low bytes of each value dropped. Files up to format 3 stored lossless bytes
+shuffled into one zstd stream (``encode_lossless``); they are still read.
 """
 
 from __future__ import annotations
 
 import io
+import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stalwart.errors import CorruptCheckpointError
+from stalwart.errors import CorruptCheckpointError, UnsafeCheckpointError
 from stalwart.shrink.container import Container, SectionWriter, read_container
 from stalwart.shrink.delta import (
     delta_indices,
@@ -35,6 +38,14 @@ from stalwart.shrink.entropy import (
     encode_stream,
     zstd_compress,
     zstd_decompress,
+)
+from stalwart.shrink.lossless import decode_grouped, encode_grouped
+from stalwart.shrink.moments import (
+    FIRST_MOMENT_CONFIGS,
+    factored,
+    from_log_indices,
+    log_indices,
+    unfactored,
 )
 from stalwart.shrink.partition import QuantConfig
 from stalwart.shrink.quantize import FIRST_LEVEL, PROTECTED, QuantizedTensor, TensorAnalysis
@@ -54,6 +65,7 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 def encode_lossless(tensor: torch.Tensor) -> bytes:
+    """Format <= 3 lossless bytes (shuffled, one zstd stream); kept for benchmarks and readers."""
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     raw = flat.view(torch.uint8).numpy().reshape(flat.numel(), flat.element_size())
     return zstd_compress(np.ascontiguousarray(raw.T).tobytes())
@@ -70,12 +82,18 @@ def decode_lossless(blob: bytes, dtype: torch.dtype, shape: list[int]) -> torch.
 # The oldest file format that can read each entry encoding. A file declares the oldest format
 # that reads all of it, so a stalwart too old for one of its parts refuses the file instead of
 # misreading it. Format 2 added bfloat16 entries and per-layer-type bin counts in the config.
-# Format 3 added the grouped rANS coder of index streams.
-ENCODING_FORMATS = {"lossless": 1, "quantized": 1, "bfloat16": 2}
+# Format 3 added the grouped rANS coder of index streams. Format 4 added byte-plane lossless
+# coding ("grouped", and "bytes": "grouped" on bfloat16 and protected values) and the optimizer
+# moments' forms (zeros, factored, log).
+ENCODING_FORMATS = {
+    "lossless": 1, "quantized": 1, "bfloat16": 2, "grouped": 4, "zeros": 4, "factored": 4,
+    "log": 4,
+}  # fmt: skip
 CODER_FORMATS = {"ans-grouped": 3}
+GROUPED = "grouped"
 
 
-def format_version(entries: Mapping[str, dict], config: QuantConfig | None) -> int:
+def format_version(entries: Mapping[Any, dict], config: QuantConfig | None) -> int:
     """The file format a table of entries and a configuration need."""
     version = 2 if config is not None and config.type_bins else 1
     return max(
@@ -83,27 +101,44 @@ def format_version(entries: Mapping[str, dict], config: QuantConfig | None) -> i
             version,
             *(ENCODING_FORMATS[entry["encoding"]] for entry in entries.values()),
             *(CODER_FORMATS.get(entry.get("coder"), 1) for entry in entries.values()),
+            *(4 for entry in entries.values() if entry.get("bytes") == GROUPED),
         ]
     )
 
 
+def _head(tensor: torch.Tensor, encoding: str) -> dict:
+    return {"encoding": encoding, "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
+
+
 def bfloat16_entry(tensor: torch.Tensor, sections: SectionWriter) -> dict:
     """A float32 tensor rounded to bfloat16 (restored as float32)."""
-    return {
-        "encoding": "bfloat16",
-        "dtype": dtype_name(tensor.dtype),
-        "shape": list(tensor.shape),
-        "data": sections.add(encode_lossless(tensor.to(torch.bfloat16))),
-    }
+    data = sections.add(encode_grouped(tensor.to(torch.bfloat16)))
+    return {**_head(tensor, "bfloat16"), "bytes": GROUPED, "data": data}
 
 
 def lossless_entry(tensor: torch.Tensor, sections: SectionWriter) -> dict:
-    return {
-        "encoding": "lossless",
-        "dtype": dtype_name(tensor.dtype),
-        "shape": list(tensor.shape),
-        "data": sections.add(encode_lossless(tensor)),
-    }
+    return {**_head(tensor, GROUPED), "data": sections.add(encode_grouped(tensor))}
+
+
+def moment_entry(tensor: torch.Tensor, form: str, coder: str, sections: SectionWriter) -> dict:
+    """An optimizer moment in one of :mod:`stalwart.shrink.moments`' forms."""
+    if form == "zero":
+        return _head(tensor, "zeros")
+    if form == "factored":
+        rows, columns = factored(tensor)
+        return {
+            **_head(tensor, "factored"),
+            "rows": sections.add(encode_grouped(rows)),
+            "columns": sections.add(encode_grouped(columns)),
+        }
+    if form == "log":
+        indices, offset = log_indices(tensor)
+        stream = encode_stream(indices.view(np.int8), "ans")
+        return {**_head(tensor, "log"), "offset": offset, "stream": sections.add(stream)}
+    if form in FIRST_MOMENT_CONFIGS:
+        quantized = TensorAnalysis(tensor).quantize(FIRST_MOMENT_CONFIGS[form])
+        return quantized_entry(quantized, None, coder, sections, "other")
+    return lossless_entry(tensor, sections)
 
 
 def quantized_entry(
@@ -161,7 +196,8 @@ def quantized_entry(
         "alphabet": quantized.alphabet,
         "delta_alphabet": alphabet if previous is not None else None,
         "levels": sections.add(quantized.levels.float().numpy().tobytes()),
-        "protected": sections.add(encode_lossless(quantized.protected)),
+        "protected": sections.add(encode_grouped(quantized.protected)),
+        "bytes": GROUPED,
         "protected_count": int(quantized.protected.numel()),
         "stream": sections.add(stream),
         "run_length": run_length,
@@ -248,8 +284,8 @@ def decode_quantized(
         )
     indices = undelta_indices(deltas, previous if delta_alphabet else None, delta_alphabet or 0)
     levels = torch.from_numpy(np.frombuffer(container.section(entry["levels"]), np.float32).copy())
-    protected = decode_lossless(
-        container.section(entry["protected"]), torch.bfloat16, [entry["protected_count"]]
+    protected = _decode_bytes(
+        container.section(entry["protected"]), entry, torch.bfloat16, [entry["protected_count"]]
     )
     largest = int(indices.max()) if numel else 0
     if largest >= FIRST_LEVEL + levels.numel() or int((indices == PROTECTED).sum()) != int(
@@ -268,14 +304,28 @@ def pack_object(
     lossy: QuantConfig | None = None,
     min_numel: int = 1024,
     coder: str = DEFAULT_CODER,
+    forms: Mapping[int, str] | None = None,
+    ids: list[int] | None = None,
 ) -> dict:
-    """Pack any checkpoint object: tensors byte-shuffled (or, with ``lossy``, quantized
-    without delta when floating and at least ``min_numel`` elements), the rest pickled."""
+    """Pack any checkpoint object: tensors in byte planes (or, with ``lossy``, quantized
+    without delta when floating and at least ``min_numel`` elements), the rest pickled.
+
+    ``forms`` maps ``id(tensor)`` of optimizer moments to their form (see
+    :mod:`stalwart.shrink.moments`); those are stored in it whatever ``lossy`` says. ``ids``,
+    when given, receives ``id(tensor)`` of each stored tensor in entry order (for accounting).
+    """
     tensors: list[dict] = []
+    forms = forms or {}
 
     def strip(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            if lossy is not None and value.is_floating_point() and value.numel() >= min_numel:
+            form = forms.get(id(value))  # before detach(): that makes a new tensor object
+            if ids is not None:
+                ids.append(id(value))
+            value = value.detach().cpu()
+            if form is not None:
+                tensors.append(moment_entry(value, form, coder, sections))
+            elif lossy is not None and value.is_floating_point() and value.numel() >= min_numel:
                 quantized = TensorAnalysis(value).quantize(lossy)
                 tensors.append(quantized_entry(quantized, None, coder, sections, "other"))
             else:
@@ -304,19 +354,66 @@ def decode_entry(
     if entry["encoding"] == "quantized":
         quantized = decode_quantized(container, entry, previous, container.header["coder"])
         return (quantized.dequantize() if values else None), quantized
-    data = container.section(entry["data"])
-    if entry["encoding"] == "bfloat16":
-        rounded = decode_lossless(data, torch.bfloat16, entry["shape"])
-        return rounded.to(dtype_of(entry["dtype"])), None
-    if entry["encoding"] != "lossless":
+    encoding, dtype, shape = entry["encoding"], dtype_of(entry["dtype"]), entry["shape"]
+    if encoding == "zeros":
+        return torch.zeros(tuple(shape), dtype=dtype), None
+    if encoding == "factored":
+        rows = decode_grouped(container.section(entry["rows"]), torch.float32, [shape[0]])
+        width = int(np.prod(shape[1:], dtype=np.int64))
+        columns = decode_grouped(container.section(entry["columns"]), torch.float32, [width])
+        return unfactored(rows, columns, shape, dtype), None
+    if encoding == "log":
+        indices = decode_stream(container.section(entry["stream"]), "ans").view(np.uint8)
+        if indices.size != int(np.prod(shape, dtype=np.int64)):
+            raise CorruptCheckpointError(
+                f"{container.path}: a second-moment stream decodes to {indices.size} values"
+            )
+        return from_log_indices(indices, int(entry["offset"]), shape, dtype), None
+    if encoding not in ("bfloat16", "lossless", GROUPED):
         raise CorruptCheckpointError(
             f"{container.path}: unknown tensor encoding {entry['encoding']!r}; it was written by a "
             "newer stalwart. Upgrade stalwart to read it."
         )
-    return decode_lossless(data, dtype_of(entry["dtype"]), entry["shape"]), None
+    data = container.section(entry["data"])
+    if encoding == "bfloat16":
+        return _decode_bytes(data, entry, torch.bfloat16, shape).to(dtype), None
+    if encoding == GROUPED:
+        return decode_grouped(data, dtype, shape), None
+    return decode_lossless(data, dtype, shape), None
 
 
-def unpack_object(container: Container, packed: dict) -> Any:
+def _decode_bytes(blob: bytes, entry: dict, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """Lossless bytes of an entry: byte planes (format 4) or the older shuffled zstd stream."""
+    if entry.get("bytes") == GROUPED:
+        return decode_grouped(blob, dtype, shape)
+    return decode_lossless(blob, dtype, shape)
+
+
+def skeleton_safe_globals() -> list:
+    """Plain data types a checkpoint's non-tensor part may hold besides what ``weights_only``
+    allows by itself: Composer's checkpoints keep numpy RNG states (arrays), a run's duration
+    (timedelta) and the torch version. None of them runs code when unpickled."""
+    import datetime
+
+    try:
+        reconstruct = np._core.multiarray._reconstruct  # numpy >= 2
+    except AttributeError:  # pragma: no cover - numpy 1.x
+        reconstruct = np.core.multiarray._reconstruct
+    dtypes = [type(np.dtype(kind)) for kind in ("u1", "u4", "i8", "f4", "f8", "b1")]
+    return [
+        reconstruct, np.ndarray, np.dtype, *dtypes, datetime.timedelta,
+        torch.torch_version.TorchVersion,
+    ]  # fmt: skip
+
+
+def unpack_object(container: Container, packed: dict, *, weights_only: bool = True) -> Any:
+    """The object :func:`pack_object` stored.
+
+    Its non-tensor part (the skeleton: hyperparameters, loop state) is unpickled like
+    ``torch.load`` does: with ``weights_only=True`` (the default, as torch's since 2.6) only
+    plain containers and numbers load, so a file from someone else cannot run code; ``False``
+    loads anything, for files you trust.
+    """
     tensors = [decode_entry(container, entry)[0] for entry in packed["tensors"]]
 
     def fill(value: Any) -> Any:
@@ -328,11 +425,20 @@ def unpack_object(container: Container, packed: dict) -> Any:
             return type(value)(fill(item) for item in value)
         return value
 
-    # The skeleton is the checkpoint's own non-tensor content (hyperparameters, loop state), as
-    # trusted as the checkpoint a plain torch.load would read.
-    skeleton = torch.load(
-        io.BytesIO(zstd_decompress(container.section(packed["skeleton"]))), weights_only=False
-    )
+    blob = io.BytesIO(zstd_decompress(container.section(packed["skeleton"])))
+    try:
+        with torch.serialization.safe_globals(skeleton_safe_globals()):
+            skeleton = torch.load(blob, weights_only=weights_only)
+    except pickle.UnpicklingError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if "global" in line.lower()]
+        raise UnsafeCheckpointError(
+            f"{container.path}: its non-tensor part holds objects that loading with "
+            f"weights_only=True refuses ({lines[0] if lines else type(exc).__name__}). Nothing "
+            "was run. If you trust where this file "
+            "comes from, load it with weights_only=False (stalwart.shrink.load_with_extra(path, "
+            "weights_only=False), or trainer.fit(..., ckpt_path=path, weights_only=False)); or "
+            "allow the types with torch.serialization.add_safe_globals([...])."
+        ) from None
     return fill(skeleton)
 
 
@@ -348,6 +454,8 @@ class ChainState:
     indices: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
     config: QuantConfig | None = None
     levels: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Per optimizer state: its moment keys and hyperparameter names (a change starts a keyframe).
+    optimizer_signature: list | None = None
 
 
 def chain_files(path: str | Path) -> list[Container]:
@@ -405,6 +513,7 @@ def decode_chain(path: str | Path) -> tuple[Container, dict[str, torch.Tensor], 
         indices=indices,
         config=None if config is None else QuantConfig.from_dict(config),
         levels=levels,
+        optimizer_signature=(last.header.get("optimizer") or {}).get("signature"),
     )
     ordered = {name: tensors[name] for name in last.header["order"]}
     return last, ordered, state
@@ -413,7 +522,7 @@ def decode_chain(path: str | Path) -> tuple[Container, dict[str, torch.Tensor], 
 def entries_bytes(entries: Mapping[str, dict]) -> int:
     total = 0
     for entry in entries.values():
-        for key in ("data", "levels", "protected", "stream", "constant_rows"):
+        for key in ("data", "levels", "protected", "stream", "constant_rows", "rows", "columns"):
             if key in entry:
                 total += entry[key][1]
     return total

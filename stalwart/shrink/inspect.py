@@ -21,6 +21,7 @@ def describe(path: Path) -> dict:
         0 if header["extra"] is None else _extra_bytes(header["extra"])
     )
     config = header["config"]
+    optimizer = header.get("optimizer") or {}  # absent before format 4
     return {
         "file": path.name,
         "kind": header["kind"],
@@ -35,6 +36,12 @@ def describe(path: Path) -> dict:
         "bytes": container.size,
         "weight_bytes": header["weight_bytes"],
         "weight_stored": weight_stored,
+        "optimizer_ratio": (
+            optimizer["bytes"] / max(optimizer["stored"], 1) if optimizer.get("bytes") else None
+        ),
+        "optimizer_setting": optimizer.get("setting"),
+        "optimizer_degradation": optimizer.get("degradation"),
+        "raw_bytes": header["weight_bytes"] + header["extra_bytes"],
     }
 
 
@@ -56,19 +63,35 @@ def inspect(args: argparse.Namespace) -> None:
     rows = [describe(p) for p in files if is_shrunk_file(p)]
     if not rows:
         raise ConfigurationError(f"no shrunken checkpoints in {target}")
-    print(f"{'file':32} {'kind':8} {'base':32} {'weights':>8} {'total':>7} {'degr.':>7}  config")
+    print(
+        f"{'file':28} {'kind':8} {'base':28} {'weights':>8} {'optim.':>7} {'total':>7} "
+        f"{'degr.':>7} {'cont.':>7}  weights config | optimizer moments"
+    )
     for row in rows:
         degradation = "-" if row["degradation"] is None else f"{row['degradation']:+.3f}"
         if row["degradation_on"] == "screen":
             degradation += "*"
+        optimizer = "-" if row["optimizer_ratio"] is None else f"{row['optimizer_ratio']:.1f}x"
+        check = row["optimizer_degradation"]
+        check = "-" if check is None else f"{check:+.3f}"
         print(
-            f"{row['file']:32} {row['kind']:8} {row['base'] or '-':32} "
-            f"{row['weight_ratio']:7.1f}x {row['total_ratio']:6.1f}x {degradation:>7}  "
-            f"{row['config']}{' (full search)' if row['search'] == 'full' else ''}"
+            f"{row['file']:28} {row['kind']:8} {row['base'] or '-':28} "
+            f"{row['weight_ratio']:7.1f}x {optimizer:>7} {row['total_ratio']:6.1f}x "
+            f"{degradation:>7} {check:>7}  "
+            f"{row['config']}{' (full search)' if row['search'] == 'full' else ''} | "
+            f"{row['optimizer_setting'] or 'lossless'}"
         )
     raw = sum(row["weight_bytes"] for row in rows)
     stored = sum(row["weight_stored"] for row in rows)
-    print(f"{len(rows)} checkpoint(s); weights {raw / max(stored, 1):.1f}x smaller overall")
+    whole = sum(row["raw_bytes"] for row in rows) / max(sum(row["bytes"] for row in rows), 1)
+    print(
+        f"{len(rows)} checkpoint(s); weights {raw / max(stored, 1):.1f}x smaller overall, whole "
+        f"files {whole:.1f}x (tensor bytes / file bytes)"
+    )
+    print(
+        "degr.: held-out loss of the restored weights vs exact (tau); cont.: loss after a short "
+        "continuation from the stored optimizer state vs the exact state"
+    )
     if any(row["degradation_on"] == "screen" for row in rows):
         print("* degradation measured on the screen (accepted within its margin), not confirmed")
 

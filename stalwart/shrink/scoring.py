@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +47,71 @@ def live_evaluator(
             restore_rng(rng)
 
     return evaluate
+
+
+def live_continuation(
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    batches: Sequence[Any],
+    loss_of: Callable[[nn.Module, Any, int], torch.Tensor],
+    score: Callable[[nn.Module], float],
+    load_optimizer_state: Callable[[torch.optim.Optimizer, Mapping], None] | None = None,
+) -> Callable[[Mapping[str, torch.Tensor], Sequence[Mapping]], float]:
+    """``continue_training(weights, optimizer_states) -> held-out loss`` for the optimizer check
+    of :func:`stalwart.shrink.save` (see :mod:`stalwart.shrink.moments`).
+
+    Loads ``weights`` into ``module`` and each state into its optimizer, takes one optimizer step
+    per batch of ``batches`` (in eval mode: dropout off, so two continuations differ only by their
+    starting state), and returns ``score(module)``. The weights, gradients, optimizer states,
+    train/eval mode and every RNG come back exactly as they were.
+
+    Args:
+        module: the model being trained.
+        optimizers: its optimizers, in the order their states sit in the checkpoint.
+        batches: what to train on (the last training batches before the save).
+        loss_of: ``loss_of(module, batch, index) -> loss`` to call ``backward()`` on.
+        score: ``score(module) -> held-out loss`` after the steps.
+        load_optimizer_state: how a checkpoint's optimizer state is loaded into an optimizer
+            (default ``optimizer.load_state_dict``; Composer keys it by parameter name).
+    """
+    original = {name: t.detach().clone() for name, t in module.state_dict().items()}
+    load = load_optimizer_state or (lambda optimizer, state: optimizer.load_state_dict(state))
+
+    def continue_training(
+        weights: Mapping[str, torch.Tensor], optimizer_states: Sequence[Mapping]
+    ) -> float:
+        if len(optimizer_states) != len(optimizers):
+            raise ValueError(
+                f"{len(optimizer_states)} optimizer states for {len(optimizers)} optimizers"
+            )
+        rng = capture_rng()
+        was_training = module.training
+        gradients = [(p, None if p.grad is None else p.grad.clone()) for p in module.parameters()]
+        saved = [copy.deepcopy(optimizer.state_dict()) for optimizer in optimizers]
+        try:
+            module.load_state_dict(weights)
+            module.eval()
+            for optimizer, state in zip(optimizers, optimizer_states, strict=True):
+                load(optimizer, copy.deepcopy(state))  # stepping must not touch the candidate
+            for index, batch in enumerate(batches):
+                for optimizer in optimizers:
+                    optimizer.zero_grad(set_to_none=True)
+                with torch.enable_grad():
+                    loss_of(module, batch, index).backward()
+                for optimizer in optimizers:
+                    optimizer.step()
+            with torch.no_grad():
+                return float(score(module))
+        finally:
+            module.load_state_dict(original)
+            for optimizer, state in zip(optimizers, saved, strict=True):
+                optimizer.load_state_dict(state)
+            for parameter, gradient in gradients:
+                parameter.grad = gradient
+            module.train(was_training)
+            restore_rng(rng)
+
+    return continue_training
 
 
 def first_batches(

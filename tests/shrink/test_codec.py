@@ -14,6 +14,7 @@ from stalwart.shrink.codec import (
     decode_chain,
     decode_lossless,
     encode_lossless,
+    format_version,
     join_constant_rows,
     split_constant_rows,
 )
@@ -213,17 +214,19 @@ def test_small_tensors_are_rounded_or_exact_and_the_file_says_which_format(tmp_p
     assert torch.equal(loaded["scale"], weights["scale"])
     assert torch.equal(shrink.load(exact.path)["bias"], weights["bias"])
     assert exact.weight_stored > rounded.weight_stored
-    # A file declares the oldest format that reads it: the bfloat16 encoding needs format 2, the
-    # grouped rANS coder (chosen by "auto" here) format 3; a file with neither stays format 1
-    # (readable by a stalwart that knows only format 1).
-    zstd_rounded = shrink.save(weights, tmp_path / "zstd_rounded.shrunk", coder="zstd")
+    # A file declares the oldest format that reads it: every lossless section (the int and
+    # float64 tensors here, protected values) is coded by byte plane, which needs format 4.
     zstd_exact = shrink.save(
         weights, tmp_path / "zstd_exact.shrunk", coder="zstd", small_tensors="lossless"
     )
-    for report, version in ((rounded, 3), (exact, 3), (zstd_rounded, 2), (zstd_exact, 1)):
+    for report in (rounded, exact, zstd_exact):
         container = read_container(report.path)
-        assert container.header["format"] == version
-        assert Path(report.path).read_bytes()[8:10] == version.to_bytes(2, "little")
+        assert container.header["format"] == 4
+        assert Path(report.path).read_bytes()[8:10] == (4).to_bytes(2, "little")
+    assert format_version({"t": {"encoding": "lossless"}}, None) == 1
+    assert format_version({"t": {"encoding": "bfloat16"}}, None) == 2
+    assert format_version({"t": {"encoding": "quantized", "coder": "ans-grouped"}}, None) == 3
+    assert format_version({"t": {"encoding": "bfloat16", "bytes": "grouped"}}, None) == 4
 
 
 def test_a_chain_written_in_format_1_still_loads_and_can_be_extended(tmp_path):

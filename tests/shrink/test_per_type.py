@@ -8,7 +8,7 @@ import torch
 
 import stalwart.shrink as shrink
 from stalwart.errors import ConfigurationError
-from stalwart.shrink.codec import decode_chain
+from stalwart.shrink.codec import decode_chain, format_version
 from stalwart.shrink.container import read_container
 from stalwart.shrink.inspect import describe, inspect
 from stalwart.shrink.partition import QuantConfig
@@ -89,8 +89,8 @@ def test_per_type_config_round_trips_through_file_chain_and_inspect(tmp_path, ca
     config = QuantConfig(bins=12, type_bins={"attention": 6, "linear": 12})
     assert config.type_bins == (("attention", 6),)  # an override equal to bins is dropped
     assert config == QuantConfig(bins=12, type_bins=(("attention", 6),))
-    # coder="zstd": the per-type config alone decides the format (format 2; "auto" picks the
-    # grouped rANS coder of format 3).
+    # The per-type config needs format 2 (the file is format 4: its protected values are coded
+    # by byte plane); format_version says what the config alone needs.
     first = shrink.save(
         _weights(0), tmp_path / "0.shrunk", config=config, layer_types=TYPES, coder="zstd"
     )
@@ -99,7 +99,8 @@ def test_per_type_config_round_trips_through_file_chain_and_inspect(tmp_path, ca
         coder="zstd",
     )  # fmt: skip
     container = read_container(report.path)
-    assert container.header["format"] == 2
+    assert container.header["format"] == 4
+    assert format_version({}, config) == 2
     assert container.header["config"]["type_bins"] == {"attention": 6}
     assert container.header["tensors"]["attn.weight"]["alphabet"] == 6 + 2
     assert container.header["tensors"]["fc.weight"]["alphabet"] == 12 + 2
@@ -122,7 +123,8 @@ def test_a_config_without_overrides_reads_and_writes_as_before(tmp_path):
     report = shrink.save(
         _weights(0), tmp_path / "x.shrunk", config=config, small_tensors="lossless", coder="ans"
     )
-    assert read_container(report.path).header["format"] == 1
+    assert read_container(report.path).header["config"] == old
+    assert format_version({}, config) == 1  # the config alone needs no newer format
 
 
 @pytest.mark.parametrize(
