@@ -30,7 +30,7 @@ from stalwart.shrink.moments import (
     LOSSLESS,
     MomentChoice,
     choose_setting,
-    iter_moment_forms,
+    effective_form,
     moments_of,
     optimizer_signature,
     optimizer_states,
@@ -331,7 +331,8 @@ def _moment_plan(
     plan.choice = choose_setting(
         states, found, lambda candidate: continue_training(restored, list(candidate)), tau
     )
-    plan.forms = {id(m.tensor): form for m, form in iter_moment_forms(found, plan.choice.setting)}
+    setting = plan.choice.setting
+    plan.forms = {id(m.tensor): effective_form(m, setting) for ms in found for m in ms}
     return plan
 
 

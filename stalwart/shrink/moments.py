@@ -27,14 +27,14 @@ shape is not their parameter's) is stored losslessly.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from stalwart.errors import CorruptCheckpointError
 from stalwart.shrink.partition import QuantConfig
 from stalwart.shrink.quantize import TensorAnalysis
 
@@ -323,8 +323,6 @@ def choose_setting(
     restored weights with the given optimizer states (and puts everything back). The reference is
     the same continuation from the exact states; the last rung (lossless) needs no check.
     """
-    import time
-
     start = time.perf_counter()
     reference = continue_training(states)
     tried: list[tuple[str, float]] = []
@@ -339,18 +337,3 @@ def choose_setting(
     return MomentChoice(
         LOSSLESS, 0.0, tried, time.perf_counter() - start, reason="no lossy setting within tau"
     )
-
-
-def iter_moment_forms(
-    moments: Sequence[Sequence[Moment]], setting: MomentSetting
-) -> Iterator[tuple[Moment, str]]:
-    for found in moments:
-        for moment in found:
-            yield moment, effective_form(moment, setting)
-
-
-def check_log_entry(indices: np.ndarray, count: int) -> None:
-    if indices.size != count:
-        raise CorruptCheckpointError(
-            f"a second-moment section decodes to {indices.size} values, its tensor has {count}"
-        )
