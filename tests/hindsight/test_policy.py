@@ -168,5 +168,9 @@ def test_a_record_whose_first_checkpoint_was_slow_keeps_checkpointing(tmp_path):
     period = math.ceil(typical / epoch_seconds / recorder.policy.epsilon) + 1
     gaps = gaps_after(taken, first)
     assert len(gaps) >= 3, taken
-    assert max(gaps) <= period + 1, (gaps, period)  # +1: epoch times vary on a busy machine
+    # Charged by the cumulative budget alone, the stall (20 epochs of time) would buy no other
+    # checkpoint for 20 / epsilon = 300 epochs. Coverage keeps taking them about every `period`
+    # epochs; the slack is for epoch times on a busy machine (CI saw one gap of 6 vs period 4).
+    assert max(gaps) <= 2 * period, (gaps, period)
+    assert (len(taken) - 1) - max(i for i, t in enumerate(taken) if t) <= 2 * period, taken
     assert [c.epoch for c in run.checkpoints()] == [i for i, t in enumerate(taken) if t]
