@@ -33,7 +33,7 @@ import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from stalwart.pipeline.job import PipelineJob
-from stalwart.pipeline.launch import RunResult, launch
+from stalwart.pipeline.launch import PipelineRunResult, launch
 
 LM = "stalwart.pipeline.workloads:CharLM"
 # name -> job fields. "eager" runs FRC on idle CPU and drops what is left at the commit (no
@@ -53,7 +53,7 @@ WARMUP = 2  # steps not timed
 COMPUTE = ("Forward", "Backward")
 
 
-def _per_rank(result: RunResult, steps: range) -> dict[int, dict[str, list[float]]]:
+def _per_rank(result: PipelineRunResult, steps: range) -> dict[int, dict[str, list[float]]]:
     """rank -> op -> [cpu s, wall s, run-queue s] per step, averaged over ``steps``."""
     out: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0] * 3))
     for (step, rank), ops in result.profile.items():
@@ -245,7 +245,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument(
         "--stages", type=int, default=4,
-        help="P (4: the must-show; 2 on a 2-core machine gives each stage its own core)",
+        help="P (4: the target setting; 2 on a 2-core machine gives each stage its own core)",
     )  # fmt: skip
     parser.add_argument("--dim", type=int, default=96)
     parser.add_argument("--breakdown", action="store_true", help="per-op per-stage times")

@@ -31,7 +31,7 @@ import argparse
 import torch
 from torch import nn
 
-from stalwart.ps.model import flatten, unflatten_into
+from stalwart.flat import flatten, unflatten_into
 from stalwart.ps.update import apply_update
 from stalwart.ps.workload import DigitsWorkload
 
@@ -42,7 +42,7 @@ RULES = {"mean": lambda k: 1 / k, "4/k": lambda k: 4 / k, "1/sqrt": lambda k: k*
 def _gradient(
     workload: DigitsWorkload, model: nn.Module, weights: torch.Tensor, batches
 ) -> torch.Tensor:
-    unflatten_into(model, weights)
+    unflatten_into(model.parameters(), weights)
     model.train()
     model.zero_grad(set_to_none=True)
     workload.loss(model, next(batches)).backward()
@@ -50,7 +50,7 @@ def _gradient(
 
 
 def _accuracy(workload: DigitsWorkload, model: nn.Module, weights: torch.Tensor) -> float:
-    unflatten_into(model, weights)
+    unflatten_into(model.parameters(), weights)
     return workload.evaluate(model)
 
 

@@ -28,7 +28,8 @@ import time
 
 from stalwart.ps.config import KillEvent, PSConfig
 from stalwart.ps.experiment import STEP_CAP
-from stalwart.ps.runner import RunResult, run_training
+from stalwart.ps.result import PSRunResult
+from stalwart.ps.runner import run_training
 
 #: (dense width, batch size) of each gradient rate.
 WORKLOADS = {"default": (512, 32), "cheap": (128, 8)}
@@ -48,7 +49,7 @@ def schedule(downtime: float, end: str) -> tuple[float, list[float]]:
 
 
 def run_one(out: str, mode: str, workload: str, downtime: float, end: str, seed: int,
-            args: argparse.Namespace) -> RunResult:  # fmt: skip
+            args: argparse.Namespace) -> PSRunResult:  # fmt: skip
     hidden, batch = WORKLOADS[workload]
     duration, times = schedule(downtime, end)
     targets = ("head",) if mode.startswith("chain") else ("ps",)

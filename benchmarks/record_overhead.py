@@ -66,6 +66,8 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from torch.utils import _pytree as pytree
 from torch.utils.data import TensorDataset
 
+from stalwart.callbacks.lightning_internals import dump_checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
@@ -583,7 +585,7 @@ def part2(workload: Workload, reps: int) -> dict[str, float]:
     model, data = workload.model(), workload.data()
     one_epoch = trainer(1)
     one_epoch.fit(model, data)
-    checkpoint = one_epoch._checkpoint_connector.dump_checkpoint(weights_only=False)
+    checkpoint = dump_checkpoint(one_epoch)
     nbytes = sum(t.numel() * t.element_size() for t in state_tensors(checkpoint))
     print(f"  checkpoint tensors: {nbytes / MB:.1f} MB (parameters + SGD momentum)")
     names = ("torch.save", "AsyncCheckpointIO", "Fork submit", "InlineMaterializer")

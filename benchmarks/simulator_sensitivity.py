@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from stalwart.pipeline.simulator import THESIS_TABLE_3_3, SimulationSettings, sweep
+from bamboo_thesis import TABLE_3_3
+
+from stalwart.pipeline.simulator import SimulationSettings, sweep
 
 PROBABILITIES = (0.01, 0.05, 0.10, 0.25, 0.50)
 VARIANTS: list[tuple[str, dict]] = [
@@ -36,7 +38,7 @@ def main() -> None:
     started = time.monotonic()
     header = " ".join(f"{p:>5.2f}" for p in PROBABILITIES)
     print(f"SIMULATOR, Bamboo value at p = {header}   worst/best  fatal@0.5  paused@0.5")
-    thesis = " ".join(f"{THESIS_TABLE_3_3[p][6]:>5.2f}" for p in PROBABILITIES)
+    thesis = " ".join(f"{TABLE_3_3[p][6]:>5.2f}" for p in PROBABILITIES)
     print(f"{'thesis Table 3.3':<36}{thesis}      0.76     5.98")
     for name, change in VARIANTS:
         settings = SimulationSettings(runs=args.runs, **change)

@@ -13,6 +13,7 @@ Run: ``.venv/bin/python examples/pipeline_lm.py --config examples/configs/pipeli
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 import yaml
@@ -27,6 +28,7 @@ def main() -> None:
     parser.add_argument("--config", default=str(Path(__file__).parent / "configs/pipeline_lm.yaml"))
     parser.add_argument("--fault", action="append", help="rank:step:phase[:signal]")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # launch's per-step losses
     config = yaml.safe_load(Path(args.config).read_text())
     faults = [Fault.parse(f) for f in (args.fault or config.pop("faults", []))]
     config.pop("faults", None)

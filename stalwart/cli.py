@@ -105,7 +105,7 @@ def _replay(args: argparse.Namespace, rest: list[str]) -> None:
     )  # fmt: skip
     result = cli.trainer.replay(
         cli.model, cli.datamodule, probe=probe, run=args.run, epochs=parse_epochs(args.epochs),
-        workers=args.workers, init=args.init, dry_run=args.dry_run,
+        workers=args.workers, init=args.init, dirpath=args.dirpath, dry_run=args.dry_run,
     )  # fmt: skip
     if args.dry_run:
         print(result)
@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--workers", type=int, default=1)
     replay.add_argument("--run", default=None, help="run name (default: the latest)")
     replay.add_argument("--init", choices=["weak", "strong"], default="weak")
+    replay.add_argument(
+        "--dirpath", default=None,
+        help="the record's directory (default: the config's HindsightCallback dirpath)",
+    )  # fmt: skip
     replay.add_argument(
         "--dry-run", action="store_true", help="print the plan and its estimated cost; run nothing"
     )

@@ -31,5 +31,27 @@ class StoreUnavailableError(StalwartError, ConnectionError):
     """The parameter-server store cannot be reached (at start, or for longer than the patience)."""
 
 
+class SplitBrainError(StalwartError):
+    """Another parameter server moved the committed head: two servers believe they are in charge.
+
+    Only one PS may run against a store at a time; stop the other one (or use a fresh store).
+    """
+
+
+class PipelineRunError(StalwartError):
+    """A pipeline run did not complete: it hung past its timeout, or the job was suspended.
+
+    A suspended job resumes from its last checkpoint when enough nodes are back; a hang names
+    the timeout to raise.
+    """
+
+
 class UnsafeCheckpointError(StalwartError):
     """A checkpoint holds pickled objects that a ``weights_only`` load refuses to run."""
+
+
+class DatasetUnavailableError(ConfigurationError):
+    """A dataset is neither under its root nor downloadable from here.
+
+    Put its files under the root the message names, or pass ``root=`` pointing at a copy.
+    """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -14,6 +15,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_info
 
 from stalwart.callbacks.hindsight import HindsightCallback
+from stalwart.callbacks.lightning_internals import detached_copy
 from stalwart.callbacks.replay import FunctionProbe, ReplayDriver, probe_level
 from stalwart.callbacks.replay_loggers import lightning_points, write_to_loggers
 from stalwart.errors import ConfigurationError
@@ -51,10 +53,15 @@ class Trainer(L.Trainer):
         epochs: Iterable[int] | None = None,
         workers: int = 1,
         init: str = "weak",
+        dirpath: str | os.PathLike | None = None,
         dry_run: bool = False,
         loggers: str | Iterable[Logger] | None = "original",
     ) -> ReplayResult | ReplayEstimate:
         """Replay a recorded run, re-executing only what the probes (or module edits) need.
+
+        The same arguments, and the same result, as Composer's
+        :func:`stalwart.algorithms.replay`, with the module and data in place of a factory for
+        the run's Trainer.
 
         Args:
             model: the LightningModule, freshly built as for training (edits to its hooks count
@@ -62,11 +69,13 @@ class Trainer(L.Trainer):
             datamodule: the data, as for training.
             probe: a Callback (or several, or a :class:`FunctionProbe`) logging new values with
                 ``pl_module.log``.
-            run: run id or name in the HindsightCallback's dirpath; default: the latest.
+            run: run id or name in the record; default: the latest.
             epochs: which recorded epochs to replay; default: all.
             workers: parallel worker processes, each replaying a contiguous segment.
             init: ``"weak"`` (resume from the nearest checkpoint) or ``"strong"`` (pseudoresume
                 from the start, rebuilding state the checkpoints did not capture).
+            dirpath: the record's directory; default: that of this Trainer's
+                :class:`HindsightCallback`.
             dry_run: show the plan (segments, checkpoints, batches, estimated seconds from the
                 record's timings) and return it as a :class:`ReplayEstimate`; run and write
                 nothing.
@@ -80,14 +89,17 @@ class Trainer(L.Trainer):
             A :class:`ReplayResult` (``result.summary()`` puts the time next to the estimate),
             or with ``dry_run`` the :class:`ReplayEstimate`.
         """
-        callback = next((c for c in self.callbacks if isinstance(c, HindsightCallback)), None)
-        if callback is None:
-            raise ConfigurationError(
-                "replay needs to know where the record is: add HindsightCallback(dirpath=...) "
-                "to this Trainer's callbacks."
-            )
-        return replay(
-            self._init_args, callback.dirpath, model, datamodule, probe=probe, run=run,
+        if dirpath is None:
+            callback = next((c for c in self.callbacks if isinstance(c, HindsightCallback)), None)
+            if callback is None:
+                raise ConfigurationError(
+                    "replay needs to know where the record is: add "
+                    "HindsightCallback(dirpath=...) to this Trainer's callbacks, or pass "
+                    "replay(..., dirpath=...)."
+                )
+            dirpath = callback.dirpath
+        return _replay(
+            self._init_args, dirpath, model, datamodule, probe=probe, run=run,
             epochs=epochs, workers=workers, init=init, dry_run=dry_run, loggers=loggers,
         )  # fmt: skip
 
@@ -107,9 +119,9 @@ def _probes(probe: Any) -> list[Callback]:
     return probes
 
 
-def replay(
+def _replay(
     trainer_args: tuple[tuple, dict],
-    dirpath: Any,
+    dirpath: str | os.PathLike,
     model: LightningModule,
     datamodule: LightningDataModule | None = None,
     *,
@@ -121,7 +133,7 @@ def replay(
     dry_run: bool = False,
     loggers: str | Iterable[Logger] | None = "original",
 ) -> ReplayResult | ReplayEstimate:
-    """Framework-facing core of :meth:`Trainer.replay` (see there)."""
+    """:meth:`Trainer.replay` for the Trainer built with ``trainer_args``, from ``dirpath``."""
     probes = _probes(probe)
     instances = _logger_instances(loggers)
     setup = core.prepare(dirpath, run, epochs, workers, dry_run=dry_run)
@@ -161,18 +173,6 @@ def _logger_instances(loggers: Any) -> list[Logger] | None:
     return instances
 
 
-def _detached_copy(module: Any) -> Any:
-    """A deep copy that does not drag along the Trainer the object may be attached to."""
-    if module is None:
-        return None
-    trainer = getattr(module, "_trainer", None)
-    module._trainer = None
-    try:
-        return copy.deepcopy(module)
-    finally:
-        module._trainer = trainer
-
-
 def _replay_segment(
     model, datamodule, probes, index, segment, trainer_args, store_dir, run_id, replay_id, entries
 ) -> None:
@@ -196,7 +196,7 @@ def _replay_segment(
     with warnings.catch_warnings():
         # The record's checkpoints carry HindsightCallback state this trainer does not need.
         warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint.*")
-        trainer.fit(_detached_copy(model), _detached_copy(datamodule), ckpt_path=start.path)
+        trainer.fit(detached_copy(model), detached_copy(datamodule), ckpt_path=start.path)
 
 
-__all__ = ["FunctionProbe", "Mismatch", "ReplayEstimate", "ReplayResult", "Trainer", "replay"]
+__all__ = ["FunctionProbe", "Mismatch", "ReplayEstimate", "ReplayResult", "Trainer"]

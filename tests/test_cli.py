@@ -49,6 +49,15 @@ CONFIGS = sorted(
 )
 
 
+def offline_data(config) -> list[str]:
+    """Where a config's Planetoid data comes from in tests: the offline copy (no download)."""
+    if "StaleGatherDataModule" not in config.read_text():
+        return []
+    from tests.gnn.graphs import HAVE_CORA, planetoid_root
+
+    return [f"--data.root={planetoid_root()}"] if HAVE_CORA else ["--data.fallback_sbm=true"]
+
+
 def cli_in(cwd, *args: str) -> subprocess.CompletedProcess:
     import os
 
@@ -62,11 +71,14 @@ def cli_in(cwd, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
 def test_example_config_fits_and_replays_from_yaml(tmp_path, config):
-    fit = cli_in(tmp_path, "fit", "--config", str(config), "--trainer.max_epochs=2")
+    data = offline_data(config)
+    fit = cli_in(tmp_path, "fit", "--config", str(config), "--trainer.max_epochs=2", *data)
     assert fit.returncode == 0, fit.stderr[-2000:]
+    record = next(tmp_path.glob("runs/*"))  # named by the config's HindsightCallback
     planned = cli_in(
         tmp_path, "replay", "--config", str(config), "--trainer.max_epochs=2",
         "--probe", "examples.probes:GradNormProbe", "--epochs", "1:1", "--dry-run",
+        "--dirpath", str(record), *data,
     )  # fmt: skip
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert "replay plan for run_0001: inner-loop" in planned.stdout
@@ -74,14 +86,13 @@ def test_example_config_fits_and_replays_from_yaml(tmp_path, config):
     batches = planned.stdout.split(" training batches")[0].rsplit(" ", 1)[-1]
     replayed = cli_in(
         tmp_path, "replay", "--config", str(config), "--trainer.max_epochs=2",
-        "--probe", "examples.probes:GradNormProbe", "--epochs", "1:1",
+        "--probe", "examples.probes:GradNormProbe", "--epochs", "1:1", *data,
     )  # fmt: skip
     assert replayed.returncode == 0, replayed.stderr[-2000:]
     assert "inner-loop" in replayed.stdout and "0 mismatch(es)" in replayed.stdout
     assert f", {batches} training batches" in replayed.stdout and "(estimated " in replayed.stdout
     assert "grad_norm (per epoch)" in replayed.stdout
-    dirpath = next(tmp_path.glob("runs/*"))
-    plot = cli_in(tmp_path, "runs", str(dirpath), "--plot", "grad_norm", "--out", "g.png")
+    plot = cli_in(tmp_path, "runs", str(record), "--plot", "grad_norm", "--out", "g.png")
     assert plot.returncode == 0, plot.stderr
     assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

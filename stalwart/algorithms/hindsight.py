@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import io
 import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import composer
 import torch
@@ -30,9 +31,10 @@ from stalwart.hindsight import replay as core
 from stalwart.hindsight.checkpoint_file import verify_checkpoint
 from stalwart.hindsight.estimate import ReplayEstimate
 from stalwart.hindsight.fingerprint import hook_fingerprints
-from stalwart.hindsight.materializer import tensor_bytes
+from stalwart.hindsight.materializer import Materializer, tensor_bytes
 from stalwart.hindsight.plan import INNER, Segment
-from stalwart.hindsight.recorder import Recorder, RecordOptions
+from stalwart.hindsight.policy import DEFAULT_EPSILON, DEFAULT_RESTORE_RATIO
+from stalwart.hindsight.recorder import Recorder
 from stalwart.hindsight.replay import ReplayResult
 from stalwart.hindsight.store import CheckpointEntry, HindsightStore
 from stalwart.hindsight.writeback import (
@@ -41,9 +43,6 @@ from stalwart.hindsight.writeback import (
     tensorboard_target,
     unsupported_target,
 )
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 log = logging.getLogger(__name__)
 
@@ -201,9 +200,13 @@ class Hindsight(Algorithm):
     """
 
     def __init__(
-        self, dirpath: str | os.PathLike = "runs", **options: Unpack[RecordOptions]
+        self,
+        dirpath: str | os.PathLike = "runs",
+        epsilon: float = DEFAULT_EPSILON,
+        materializer: str | Materializer = "fork",
+        restore_ratio: float = DEFAULT_RESTORE_RATIO,
     ) -> None:
-        self.recorder = Recorder(dirpath, name="Hindsight", **options)
+        self.recorder = Recorder(dirpath, epsilon, materializer, restore_ratio, "Hindsight")
         #: Whether the Trainer this instance joined records; a Trainer built by ``replay`` does
         #: not (the instance then only tells replay where the record is).
         self.passive = False
@@ -375,6 +378,28 @@ def _recorded_model_state(entry: CheckpointEntry) -> dict:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)["state"]["model"]
 
 
+def _reference(
+    trainer_factory: Callable[..., Trainer], dirpath: str | os.PathLike | None
+) -> tuple[dict, str, str | os.PathLike]:
+    """The factory's model (state and class) and the record's directory (default: its
+    ``Hindsight``'s), from a Trainer built and closed without training."""
+    with _replaying():
+        reference = trainer_factory(save_folder=None, loggers=[])
+    model = reference.state.model
+    model_class = f"{type(model).__module__}.{type(model).__qualname__}"
+    if dirpath is None:
+        hindsight = next((a for a in reference.state.algorithms if isinstance(a, Hindsight)), None)
+        if hindsight is None:
+            raise ConfigurationError(
+                "replay needs to know where the record is: build the Trainer with "
+                "algorithms=[Hindsight(dirpath=...)], or pass replay(..., dirpath=...)."
+            )
+        dirpath = hindsight.dirpath
+    model_state = model.state_dict()
+    reference.close()
+    return model_state, model_class, dirpath
+
+
 def replay(
     trainer_factory: Callable[..., Trainer],
     *,
@@ -382,16 +407,21 @@ def replay(
     run: int | str | None = None,
     epochs: Iterable[int] | None = None,
     workers: int = 1,
+    init: str = "weak",
     dirpath: str | os.PathLike | None = None,
     dry_run: bool = False,
     loggers: str | None = "original",
 ) -> ReplayResult | ReplayEstimate:
     """Replay epochs of a recorded Composer run with new probes, from its checkpoints.
 
-    Composer cannot skip an epoch, so each segment of the plan resumes from the checkpoint before
-    it (``load_path``) and stops after its last epoch (``max_duration``); segments run in parallel
-    worker processes. Values the probes log go to the store as ``source="replay"``, and every
-    value the record logged is compared with the replayed one (the deferred check).
+    The same arguments, and the same result, as :meth:`stalwart.Trainer.replay` (Lightning),
+    with a factory for the run's Trainer in place of the module and data.
+
+    Composer cannot skip an epoch, so each segment of the plan resumes from a checkpoint
+    (``load_path``), re-executes every epoch after it and stops after its last epoch
+    (``max_duration``); segments run in parallel worker processes. Values the probes log go to
+    the store as ``source="replay"``, and every value the record logged is compared with the
+    replayed one (the deferred check).
 
     Args:
         trainer_factory: builds the run's ``composer.Trainer``, as for recording, applying the
@@ -401,6 +431,9 @@ def replay(
         run: run id or name in the record; default: the latest.
         epochs: which recorded epochs to replay; default: all.
         workers: parallel worker processes, each replaying a contiguous segment.
+        init: ``"weak"`` (each segment resumes from the checkpoint nearest before it) or
+            ``"strong"`` (every segment starts from the earliest checkpoint and re-executes its
+            way forward, rebuilding state the checkpoints did not capture).
         dirpath: the record's directory; default: that of the factory's ``Hindsight``.
         dry_run: log the plan (segments, checkpoints, batches, estimated seconds from the
             record's timings) and return it as a ``ReplayEstimate``; run and write nothing.
@@ -408,6 +441,10 @@ def replay(
             the record's batch steps, to the TensorBoard and MLflow destinations the recorded
             run logged to; ``None`` writes only to the store. The segments' own trainers log
             to no destination of the factory's.
+
+    Returns:
+        A :class:`ReplayResult` (``result.summary()`` puts the time next to the estimate), or
+        with ``dry_run`` the :class:`ReplayEstimate`.
 
     Example::
 
@@ -419,21 +456,7 @@ def replay(
         result.metrics("probe/weight_norm")
     """
     probes = _probes(probe)
-    with _replaying():
-        reference = trainer_factory(save_folder=None, loggers=[])
-    model_state = reference.state.model.state_dict()
-    model_class = (
-        f"{type(reference.state.model).__module__}.{type(reference.state.model).__qualname__}"
-    )
-    if dirpath is None:
-        hindsight = next((a for a in reference.state.algorithms if isinstance(a, Hindsight)), None)
-        if hindsight is None:
-            raise ConfigurationError(
-                "replay needs to know where the record is: build the Trainer with "
-                "algorithms=[Hindsight(dirpath=...)], or pass replay(..., dirpath=...)."
-            )
-        dirpath = hindsight.dirpath
-    reference.close()
+    model_state, model_class, dirpath = _reference(trainer_factory, dirpath)
     setup = core.prepare(dirpath, run, epochs, workers, dry_run=dry_run)
     targets = core.logger_targets(setup.run, loggers)
     entries = setup.entries
@@ -446,8 +469,12 @@ def replay(
     core.check_same_model(
         recorded_run, _recorded_model_state(entries[min(entries)]), model_state, model_class
     )
-    # Every replayed epoch re-executes its batches: Composer has no way to skip one.
-    segments = core.plan(setup, INNER, workers, "weak")
+    # Every replayed epoch re-executes its batches: Composer has no way to skip one, so no
+    # epoch counts as memoized (the estimate then charges them too).
+    segments = [
+        dataclasses.replace(segment, memoized=frozenset())
+        for segment in core.plan(setup, INNER, workers, init)
+    ]
 
     def replay_segment(index: int, segment: Segment, replay_id: str) -> None:
         driver = _ReplayDriver(

@@ -5,29 +5,28 @@ decides when and where checkpoints are written; ``Shrink`` changes what is writt
 weights quantized under a quality bound and delta-coded against the previous checkpoint
 (:class:`stalwart.shrink.chain.ChainWriter`, the same writer as Lightning's
 :class:`~stalwart.ShrinkCheckpointIO`), the rest of the state losslessly. Composer's loader reads
-shrunken files transparently once ``Shrink`` is imported, so ``Trainer(load_path=...)`` resumes
-from them. Method card: ``shrink.md`` beside this file.
+shrunken files when the loading Trainer has a ``Shrink`` too, so
+``Trainer(load_path=..., algorithms=[Shrink()])`` resumes from them. Composer's checkpoint
+functions are routed only while a Trainer with ``Shrink`` is open
+(:mod:`stalwart.algorithms.composer_internals`); importing this module changes nothing.
+Method card: ``shrink.md`` beside this file.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import os
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from composer.callbacks import CheckpointSaver
-from composer.core import Algorithm, Event, State
+from composer.core import Algorithm, Callback, Event, State
 from composer.loggers import Logger
-from composer.utils import checkpoint as composer_checkpoint
 
+from stalwart.algorithms import composer_internals
 from stalwart.errors import ConfigurationError
-from stalwart.shrink.api import ShrinkReport, load_with_extra
+from stalwart.shrink.api import ShrinkReport
 from stalwart.shrink.chain import ChainWriter, ShrinkRequest
-from stalwart.shrink.container import is_shrunk_file
 from stalwart.shrink.entropy import DEFAULT_CODER
 from stalwart.shrink.gradients import GradientEMA
 from stalwart.shrink.partition import layer_types_of
@@ -38,44 +37,6 @@ from stalwart.shrink.scoring import (
     screening_batches,
 )
 from stalwart.shrink.search import DEFAULT_SCREEN_ACCEPT, ConfigSearch
-
-#: The Shrink whose saver is writing right now (Composer's writer is a module function).
-_WRITING: contextvars.ContextVar[Shrink | None] = contextvars.ContextVar(
-    "stalwart_shrink_writing", default=None
-)
-#: The Shrink of the Trainer being built, which continues the chain it loads from.
-_loading: Shrink | None = None
-
-
-def _write_checkpoint_file(state_dict: dict[str, Any], filename: str) -> None:
-    shrink = _WRITING.get()
-    if shrink is None:
-        _ORIGINAL_WRITE(state_dict, filename)
-    else:
-        shrink._write(state_dict, filename)
-
-
-def _safe_torch_load(composer_states_filepath: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    # Composer links the file into a temporary folder first; a delta names its base relative to
-    # where it really is.
-    path = os.path.realpath(composer_states_filepath)
-    if not is_shrunk_file(path):
-        return _ORIGINAL_LOAD(composer_states_filepath, *args, **kwargs)
-    if _loading is not None:
-        weights, extra = _loading.writer.load(path)
-    else:
-        weights, extra, _ = load_with_extra(path)
-    checkpoint = dict(extra or {})
-    checkpoint["state"] = {**checkpoint.get("state", {}), "model": weights}
-    return checkpoint
-
-
-_ORIGINAL_WRITE = composer_checkpoint._write_checkpoint_file
-_ORIGINAL_LOAD = composer_checkpoint.safe_torch_load
-# Composer calls both through its module's globals, so they are replaced there: every other
-# checkpoint (not written under a Shrink, not in the shrunken format) goes to the originals.
-composer_checkpoint._write_checkpoint_file = _write_checkpoint_file
-composer_checkpoint.safe_torch_load = _safe_torch_load
 
 
 def _total_loss(loss: Any) -> torch.Tensor:
@@ -176,6 +137,7 @@ class Shrink(Algorithm):
         self.screen_fraction = screen_fraction
         self.evaluate = evaluate
         self.grad_window = grad_window
+        self.grad_beta = grad_beta
         self._state: State | None = None
         self._held_out: list[Any] | None = None
         self.continue_steps = continue_steps
@@ -190,13 +152,15 @@ class Shrink(Algorithm):
         return self.writer.reports
 
     def match(self, event: Event, state: State) -> bool:
-        if event in (Event.INIT, Event.BATCH_END):
+        if event in (Event.INIT, Event.AFTER_LOAD, Event.BATCH_END):
             return True
         return event == Event.AFTER_BACKWARD and self._in_window(state)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
-            self._install(state)
+            self._open(state)
+        elif event == Event.AFTER_LOAD:
+            composer_internals.reading(None)  # the Trainer has loaded its load_path (if any)
         elif event == Event.BATCH_END:
             self._recent.append(state.batch)  # what the optimizer check trains on
         else:
@@ -210,50 +174,35 @@ class Shrink(Algorithm):
             return True
         return int(total) - int(state.timestamp.batch_in_epoch) <= self.grad_window
 
-    def _install(self, state: State) -> None:
-        global _loading
+    def _open(self, state: State) -> None:
+        """Join a Trainer: its savers write shrunken files, its ``load_path`` continues a chain."""
         savers = [cb for cb in state.callbacks if isinstance(cb, CheckpointSaver)]
         if not savers:
             raise ConfigurationError(
                 "Shrink compresses the checkpoints Composer saves, and this Trainer saves none: "
                 "pass save_folder='checkpoints' (and save_interval, e.g. '1ep') to the Trainer."
             )
-        for saver in savers:
-            self._wrap(saver)
+        # What an earlier Trainer of this instance saw (its batches, gradients) is not this one's.
         self._state = state
-        _loading = self
+        self._held_out = None
+        self._recent.clear()
+        self.ema = GradientEMA(self.grad_beta)
+        closing = _CloseWithTrainer(savers)
+        state.callbacks.append(closing)
+        composer_internals.hold(closing)
+        for saver in savers:
+            composer_internals.route_saver(saver, self._write, self.writer.remove)
+        composer_internals.reading(self._read)
 
-    def _wrap(self, saver: CheckpointSaver) -> None:
-        save, rotate = saver._save_checkpoint, saver._rotate_checkpoints
-
-        def save_checkpoint(state: State, logger: Logger) -> None:
-            with self._writing():
-                save(state, logger)
-
-        def rotate_checkpoints(sharding_enabled: bool = False) -> None:
-            # Composer deletes the oldest files; a delta's base must outlive the delta.
-            keep = saver.num_checkpoints_to_keep
-            while len(saver.saved_checkpoints) > keep:
-                oldest = saver.saved_checkpoints[0]
-                if not is_shrunk_file(oldest):
-                    rotate(sharding_enabled)
-                    continue
-                saver.saved_checkpoints.pop(0)
-                self.writer.remove(oldest)
-
-        saver._save_checkpoint = save_checkpoint
-        saver._rotate_checkpoints = rotate_checkpoints
-
-    @contextlib.contextmanager
-    def _writing(self) -> Iterator[None]:
-        token = _WRITING.set(self)
-        try:
-            yield
-        finally:
-            _WRITING.reset(token)
+    def _read(self, path: str) -> dict[str, Any]:
+        """A shrunken checkpoint as Composer's loader expects it; the chain continues from it."""
+        weights, extra = self.writer.load(path)
+        checkpoint = dict(extra or {})
+        checkpoint["state"] = {**checkpoint.get("state", {}), "model": weights}
+        return checkpoint
 
     def _write(self, checkpoint: dict[str, Any], filename: str) -> None:
-        if composer_checkpoint.is_tar(filename) or composer_checkpoint.is_compressed_pt(filename):
+        if composer_internals.is_archive(filename):
             raise ConfigurationError(
                 f"Shrink writes its own compressed format, not {filename!r}'s archive: use a plain "
                 "save_filename such as 'ep{epoch}-ba{batch}-rank{rank}.pt'."
@@ -324,3 +273,18 @@ class Shrink(Algorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.search.load_state_dict(state.get("shrink_search", {}))
+
+
+class _CloseWithTrainer(Callback):
+    """Added to a Trainer that has a ``Shrink``: when Composer closes that Trainer (``close()``,
+    garbage collection or interpreter exit), its savers and Composer's checkpoint functions are
+    given back."""
+
+    def __init__(self, savers: list[CheckpointSaver]) -> None:
+        self.savers = savers
+
+    def close(self, state: State, logger: Logger) -> None:
+        for saver in self.savers:
+            composer_internals.unroute_saver(saver)
+        composer_internals.reading(None)
+        composer_internals.release(self)

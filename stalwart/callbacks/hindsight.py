@@ -12,8 +12,13 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from stalwart.callbacks.lightning_internals import (
+    dump_checkpoint,
+    hook_epoch_boundary,
+    is_last_batch,
+    unhook_epoch_boundary,
+)
 from stalwart.callbacks.log_capture import LogCapture
 from stalwart.callbacks.loop_state import INNER_LOOP_END_KEY, capture_inner_loop_end
 from stalwart.callbacks.replay_loggers import describe_loggers
@@ -21,9 +26,9 @@ from stalwart.hindsight.fingerprint import hook_fingerprints
 from stalwart.hindsight.materializer import Materializer, tensor_bytes
 from stalwart.hindsight.policy import DEFAULT_EPSILON, DEFAULT_RESTORE_RATIO, JointInvariantPolicy
 from stalwart.hindsight.recorder import Recorder
-from stalwart.hindsight.rng import RNG_KEY, capture_rng, restore_rng
 from stalwart.hindsight.store import HindsightStore
 from stalwart.hindsight.writeback import LOGGERS_KEY
+from stalwart.rng import RNG_KEY, capture_rng, restore_rng
 
 
 class HindsightCallback(Callback):
@@ -120,7 +125,11 @@ class HindsightCallback(Callback):
         self._capture = LogCapture(self.store, run_id, "record")
         self._capture.attach(pl_module, trainer)
         self.recorder.flush_logs = self._capture.flush
-        self._hook_epoch_boundary(trainer)
+        # Materialized once the fit loop has finished the epoch, the one exact resume point:
+        # after the module's own on_train_epoch_end and the epoch-interval LR step.
+        hook_epoch_boundary(
+            trainer, on_end=lambda: self._materialize_due(trainer), on_error=self.recorder.drop_due
+        )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Before the fit loop builds epoch 0's data iterator, which draws from the RNG.
@@ -140,7 +149,7 @@ class HindsightCallback(Callback):
         if not self.recorder.recording:
             return
         started = time.perf_counter()
-        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        if is_last_batch(trainer):
             self._inner_loop_end = capture_inner_loop_end(trainer)
         self.recorder.batch_ended()
         spent, self._capture.spent = self._capture.spent, 0.0
@@ -150,7 +159,7 @@ class HindsightCallback(Callback):
         self.recorder.flush()
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Materialized once the epoch has fully ended (see _hook_epoch_boundary): the module's
+        # Decided here, materialized once the epoch has fully ended (see setup): the module's
         # own on_train_epoch_end and the epoch-interval LR step still run after this hook.
         self.recorder.epoch_ended(
             trainer.current_epoch,
@@ -174,7 +183,7 @@ class HindsightCallback(Callback):
         self._finish("failed")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        vars(trainer.fit_loop).pop("on_advance_end", None)
+        unhook_epoch_boundary(trainer)
         if self._capture is not None:
             self._capture.detach()
             self._capture = None
@@ -197,30 +206,6 @@ class HindsightCallback(Callback):
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _hook_epoch_boundary(self, trainer: Trainer) -> None:
-        """Materialize right after the fit loop finishes an epoch, the one exact resume point.
-
-        No callback hook runs there: a snapshot in ``on_train_epoch_end`` misses the module's own
-        epoch-end hook and the LR step, and one in the next ``on_train_epoch_start`` has loop
-        counters that Lightning's restart logic reads as a later epoch. So the fit loop's
-        ``on_advance_end`` is wrapped for this fit (teardown removes the wrapper).
-        """
-        loop = trainer.fit_loop
-        advance_end = loop.on_advance_end
-
-        def on_advance_end() -> None:
-            try:
-                advance_end()
-            except SIGTERMException:  # raised after the epoch completed: the state is whole
-                self._materialize_due(trainer)
-                raise
-            except BaseException:
-                self.recorder.drop_due()
-                raise
-            self._materialize_due(trainer)
-
-        loop.on_advance_end = on_advance_end
-
     def _materialize_due(self, trainer: Trainer) -> None:
         self.recorder.materialize_due(
             lambda: self._snapshot(trainer, self._inner_loop_end), trainer.global_step
@@ -230,7 +215,7 @@ class HindsightCallback(Callback):
         self, trainer: Trainer, inner_loop_end: dict | None = None, rng: dict | None = None
     ) -> dict:
         """The complete training state: Lightning's checkpoint plus every RNG state."""
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint = dump_checkpoint(trainer)
         checkpoint[RNG_KEY] = rng if rng is not None else capture_rng()
         if inner_loop_end is not None:
             checkpoint[INNER_LOOP_END_KEY] = inner_loop_end

@@ -9,11 +9,12 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
+from stalwart.callbacks.lightning_internals import current_hook, intercept_log, release_log
 from stalwart.hindsight.store import HindsightStore
 
 
 class LogCapture:
-    """Shadows ``pl_module.log`` (``log_dict`` goes through it too) for the duration of a fit.
+    """Sees every ``pl_module.log`` call (``log_dict`` goes through it too) for a fit.
 
     Values are kept as passed (tensors detached, converted at flush) and written in one commit per
     :meth:`flush`. Sanity-check values are skipped: Lightning discards them too.
@@ -46,9 +47,7 @@ class LogCapture:
         self.spent = 0.0
 
     def attach(self, pl_module: LightningModule, trainer: Trainer) -> None:
-        original = pl_module.log
-
-        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        def seen(name: str, value: Any) -> None:
             started = time.perf_counter()
             if isinstance(value, torch.Tensor):
                 captured: Any = value.detach()
@@ -60,17 +59,16 @@ class LogCapture:
             if captured is not None and not trainer.sanity_checking and self.keep(epoch):
                 self._pending.append(
                     (self.run_id, epoch, trainer.global_step, name, captured,
-                     pl_module._current_fx_name, self.source, self.replay_id)
+                     current_hook(pl_module), self.source, self.replay_id)
                 )  # fmt: skip
             self.spent += time.perf_counter() - started
-            return original(name, value, *args, **kwargs)
 
-        pl_module.log = log
+        intercept_log(pl_module, seen)
         self._module = pl_module
 
     def detach(self) -> None:
         if self._module is not None:
-            vars(self._module).pop("log", None)
+            release_log(self._module)
             self._module = None
 
     def flush(self) -> None:

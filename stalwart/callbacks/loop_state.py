@@ -12,7 +12,8 @@ import copy
 
 from lightning.pytorch import Trainer
 
-from stalwart.hindsight.rng import capture_rng, restore_rng
+from stalwart.callbacks.lightning_internals import restore_loop_progress
+from stalwart.rng import capture_rng, restore_rng
 
 INNER_LOOP_END_KEY = "stalwart_inner_loop_end"
 
@@ -50,15 +51,5 @@ def restore_inner_loop_end(trainer: Trainer, checkpoint: dict) -> None:
     for optimizer, groups in zip(trainer.optimizers, inner["param_groups"], strict=True):
         for group, saved in zip(optimizer.param_groups, groups, strict=True):
             group.update(saved)
-    loop_state = checkpoint["loops"]["fit_loop"]
-    epoch_loop = trainer.fit_loop.epoch_loop
-    epoch_loop.batch_progress.load_state_dict(loop_state["epoch_loop.batch_progress"])
-    epoch_loop.automatic_optimization.optim_progress.load_state_dict(
-        loop_state["epoch_loop.automatic_optimization.optim_progress"]
-    )
-    epoch_loop.manual_optimization.optim_step_progress.load_state_dict(
-        loop_state["epoch_loop.manual_optimization.optim_step_progress"]
-    )
-    epoch_loop.scheduler_progress.load_state_dict(loop_state["epoch_loop.scheduler_progress"])
-    epoch_loop._batches_that_stepped = loop_state["epoch_loop.state_dict"]["_batches_that_stepped"]
+    restore_loop_progress(trainer, checkpoint["loops"]["fit_loop"])
     restore_rng(inner["rng"])

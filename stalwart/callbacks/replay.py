@@ -9,12 +9,13 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
+from stalwart.callbacks.lightning_internals import release_epoch_batches, replace_epoch_batches
 from stalwart.callbacks.log_capture import LogCapture
 from stalwart.callbacks.loop_state import restore_inner_loop_end
 from stalwart.errors import ConfigurationError
 from stalwart.hindsight.plan import INNER, OUTER, Segment
-from stalwart.hindsight.rng import RNG_KEY, restore_rng
 from stalwart.hindsight.store import CheckpointEntry, HindsightStore
+from stalwart.rng import RNG_KEY, restore_rng
 
 #: Hooks that run per training batch: a probe or an edit touching one needs the batches re-run.
 BATCH_LEVEL_HOOKS = frozenset(
@@ -150,7 +151,11 @@ class ReplayDriver(Callback):
             self._store, self.run_id, "replay", self.replay_id, keep=requested.__contains__
         )
         self._capture.attach(pl_module, trainer)
-        self._skip_memoized(trainer)
+        replace_epoch_batches(
+            trainer,
+            skip=self.segment.memoized.__contains__,
+            restore=lambda epoch: restore_inner_loop_end(trainer, self.checkpoints[epoch].load()),
+        )
 
     def on_load_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
@@ -170,7 +175,7 @@ class ReplayDriver(Callback):
         self._capture.flush()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        vars(trainer.fit_loop.epoch_loop).pop("run", None)
+        release_epoch_batches(trainer)
         if self._capture is not None:
             self._capture.flush()
             self._capture.detach()
@@ -180,21 +185,3 @@ class ReplayDriver(Callback):
                 self.segment.last_epoch, self.batch_epochs, time.perf_counter() - self._started,
             )  # fmt: skip
             self._store.close()
-
-    def _skip_memoized(self, trainer: Trainer) -> None:
-        epoch_loop = trainer.fit_loop.epoch_loop
-        run_batches = epoch_loop.run
-
-        def run(data_fetcher: Any) -> None:
-            epoch = trainer.current_epoch
-            if epoch not in self.segment.memoized:
-                return run_batches(data_fetcher)
-            restore_inner_loop_end(trainer, self.checkpoints[epoch].load())
-            if epoch_loop._should_check_val_epoch() and trainer.limit_val_batches != 0:
-                # As the epoch loop runs it after its last batch.
-                trainer.validating = True
-                epoch_loop.val_loop.run()
-                trainer.training = True
-            return None
-
-        epoch_loop.run = run

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from stalwart.callbacks.lightning_internals import silenced_log
 from stalwart.errors import ConfigurationError
 from stalwart.plugins.shrink_io import ShrinkCheckpointIO, ShrinkRequest
 from stalwart.shrink.api import ShrinkReport
@@ -23,6 +25,15 @@ from stalwart.shrink.scoring import (
     screening_batches,
 )
 from stalwart.shrink.search import DEFAULT_SCREEN_ACCEPT, ConfigSearch
+
+#: The ``ModelCheckpoint`` hooks that save; each save they make is a shrunken one.
+SAVING_HOOKS = (
+    "on_train_batch_end",
+    "on_train_epoch_end",
+    "on_validation_end",
+    "on_exception",
+    "on_train_end",
+)
 
 
 class ShrinkCheckpoint(ModelCheckpoint):
@@ -114,7 +125,9 @@ class ShrinkCheckpoint(ModelCheckpoint):
             )
         if continue_steps < 1:
             raise ConfigurationError(f"continue_steps must be >= 1, got {continue_steps}")
-        if kwargs.get("every_n_train_steps"):
+        #: Steps between saves (0: saves by epoch), for the gradient window.
+        self._save_every_steps: int = kwargs.get("every_n_train_steps") or 0
+        if self._save_every_steps:
             every_n_epochs = None
         super().__init__(
             dirpath=dirpath, every_n_epochs=every_n_epochs, save_top_k=save_top_k, **kwargs
@@ -164,10 +177,10 @@ class ShrinkCheckpoint(ModelCheckpoint):
     def _in_window(self, trainer: pl.Trainer) -> bool:
         if self.grad_window == 0:
             return False
-        if self._every_n_train_steps:
-            left = self._every_n_train_steps - trainer.global_step % self._every_n_train_steps
+        if self._save_every_steps:
+            left = self._save_every_steps - trainer.global_step % self._save_every_steps
             return left <= self.grad_window
-        every = self._every_n_epochs or 1
+        every = self.every_n_epochs or 1
         if (trainer.current_epoch + 1) % every:
             return False
         total = trainer.num_training_batches
@@ -177,15 +190,40 @@ class ShrinkCheckpoint(ModelCheckpoint):
         if self._in_window(trainer):
             self.ema.update(pl_module.named_parameters())
 
+    # --- the saves: ModelCheckpoint's own, each given a ShrinkRequest -----------------------
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._recent.append(batch)  # what the continuation check trains on
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        with self._shrinking(trainer):
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
-    # --- the save itself ---------------------------------------------------------------------
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        with self._shrinking(trainer):
+            super().on_train_epoch_end(trainer, pl_module)
 
-    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        with self._shrinking(trainer):
+            super().on_validation_end(trainer, pl_module)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        with self._shrinking(trainer):
+            super().on_exception(trainer, pl_module, exception)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        with self._shrinking(trainer):
+            super().on_train_end(trainer, pl_module)
+
+    @contextlib.contextmanager
+    def _shrinking(self, trainer: pl.Trainer) -> Iterator[None]:
+        """Saves made in this block (by ``ModelCheckpoint``) carry this callback's request."""
+        with self.io.requesting(lambda: self._request(trainer)):
+            yield
+
+    def _request(self, trainer: pl.Trainer) -> ShrinkRequest:
         module = trainer.lightning_module
-        request = ShrinkRequest(
+        return ShrinkRequest(
             evaluate=self._evaluator(trainer, module),
             screen=self._screen(trainer, module),
             gradients=self.ema.take(),
@@ -197,12 +235,6 @@ class ShrinkCheckpoint(ModelCheckpoint):
                 for o in trainer.optimizers
             ],
         )
-        trainer.save_checkpoint(filepath, self.save_weights_only, storage_options=request)
-        self._last_global_step_saved = trainer.global_step
-        self._last_checkpoint_saved = filepath
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.after_save_checkpoint(self)
 
     def _evaluator(
         self, trainer: pl.Trainer, module: pl.LightningModule
@@ -235,27 +267,19 @@ class ShrinkCheckpoint(ModelCheckpoint):
 
     @staticmethod
     def _step_loss(module: pl.LightningModule, batch: Any, index: int) -> torch.Tensor:
-        silent = lambda *args, **kwargs: None  # noqa: E731 - logging is not part of the check
-        module.log, module.log_dict = silent, silent
-        try:
+        with silenced_log(module):  # logging is not part of the check
             output = module.training_step(batch, index)
-            return output["loss"] if isinstance(output, Mapping) else output
-        finally:
-            del module.log, module.log_dict
+        return output["loss"] if isinstance(output, Mapping) else output
 
     @staticmethod
     def _mean_loss(module: pl.LightningModule, batches: list[Any]) -> float:
-        silent = lambda *args, **kwargs: None  # noqa: E731 - logging is not part of scoring
-        module.log, module.log_dict = silent, silent
-        try:
-            losses = []
+        losses = []
+        with silenced_log(module):  # logging is not part of scoring
             for index, batch in enumerate(batches):
                 output = module.training_step(batch, index)
                 loss = output["loss"] if isinstance(output, Mapping) else output
                 losses.append(float(loss))
-            return sum(losses) / len(losses)
-        finally:
-            del module.log, module.log_dict
+        return sum(losses) / len(losses)
 
     def _held_out_batches(self, trainer: pl.Trainer, module: pl.LightningModule) -> list[Any]:
         if self._held_out is not None:

@@ -1,6 +1,11 @@
 """Lightning data modules (and the modules that train on them)."""
 
-from stalwart.datamodules.stale_gather import GatherRound, StaleGatherDataModule, load_planetoid
+from stalwart.datamodules.stale_gather import (
+    GatherRound,
+    StaleGatherDataModule,
+    default_planetoid_root,
+    load_planetoid,
+)
 from stalwart.datamodules.stale_module import StaleGAT, StaleGCN, StaleGNNModule
 from stalwart.gnn.layers import StaleGATConv, StaleGCNConv
 
@@ -12,5 +17,6 @@ __all__ = [
     "StaleGCNConv",
     "StaleGNNModule",
     "StaleGatherDataModule",
+    "default_planetoid_root",
     "load_planetoid",
 ]

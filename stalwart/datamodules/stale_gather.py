@@ -9,8 +9,6 @@ the :class:`stalwart.gnn.StaleGatherEngine` in whatever order the staleness gate
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,14 +16,14 @@ from typing import Any
 
 import lightning as L
 
-from stalwart.errors import ConfigurationError
+from stalwart.errors import ConfigurationError, DatasetUnavailableError
 from stalwart.gnn.gate import parse_staleness
 from stalwart.gnn.graph import IntervalGraph
 from stalwart.gnn.scheduler import Straggler
 from stalwart.gnn.synthetic import stochastic_block_graph
 
-#: Where the offline Planetoid copies live (override with ``STALWART_PLANETOID``).
-DEFAULT_PLANETOID = "/work/shared/data/planetoid"
+#: Overrides the default Planetoid root (see :func:`default_planetoid_root`).
+PLANETOID_ROOT_ENV = "STALWART_PLANETOID"
 #: (features, classes) of each Planetoid graph: the fallback SBM graph takes the same shape, so
 #: a module configured for the dataset still fits it.
 PLANETOID_SHAPES = {"Cora": (1433, 7), "CiteSeer": (3703, 6), "PubMed": (500, 3)}
@@ -50,27 +48,47 @@ class _Rounds:
         return 1
 
 
-def load_planetoid(name: str, root: str | os.PathLike | None = None) -> Any:
-    """PyG ``Planetoid(name)`` from an offline copy of its raw files (never downloads).
+def default_planetoid_root() -> Path:
+    """``$STALWART_PLANETOID`` if set, else ``planetoid/`` under PyG's home (``~/.cache/pyg``)."""
+    configured = os.environ.get(PLANETOID_ROOT_ENV)
+    if configured:
+        return Path(configured)
+    import torch_geometric
 
-    The raw folder is copied into a temporary directory so PyG can write ``processed/``
-    without touching the shared copy.
+    return Path(torch_geometric.get_home_dir()) / "planetoid"
+
+
+def load_planetoid(name: str, root: str | os.PathLike | None = None) -> Any:
+    """PyG's ``Planetoid(root, name)[0]``: read from ``root``, downloaded there when absent.
+
+    Args:
+        name: ``"Cora"``, ``"CiteSeer"`` or ``"PubMed"``.
+        root: the folder holding ``<name>/raw`` (PyG writes ``<name>/processed`` next to it);
+            default :func:`default_planetoid_root`.
+
+    Raises:
+        DatasetUnavailableError: the files are not under ``root`` and cannot be downloaded
+            (no network), or ``root`` cannot be written (PyG saves the processed graph there).
     """
     from torch_geometric.datasets import Planetoid
 
-    base = Path(root or os.environ.get("STALWART_PLANETOID", DEFAULT_PLANETOID))
+    base = Path(root) if root is not None else default_planetoid_root()
     raw = base / name / "raw"
-    if not raw.is_dir():
-        raise ConfigurationError(
-            f"no Planetoid {name} at {raw}: point root= (or STALWART_PLANETOID) at a folder "
-            f"holding {name}/raw/ind.{name.lower()}.*, or use data='sbm' for a generated graph."
-        )
-    scratch = Path(tempfile.mkdtemp(prefix="stalwart-planetoid-"))
-    shutil.copytree(raw, scratch / name / "raw")
     try:
-        return Planetoid(str(scratch), name)[0]
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        return Planetoid(str(base), name)[0]
+    except OSError as exc:  # urllib's and aiohttp's connection errors are OSErrors too
+        if any(raw.glob("ind.*")):
+            raise DatasetUnavailableError(
+                f"Planetoid {name} at {raw} could not be read ({exc}). PyG writes "
+                f"{name}/processed/ next to raw/: pass root= a writable folder holding a copy "
+                f"of {name}/raw/."
+            ) from exc
+        raise DatasetUnavailableError(
+            f"no Planetoid {name} at {raw}, and downloading it there failed ({exc}). Put PyG's "
+            f"raw files (ind.{name.lower()}.x, .y, .tx, .ty, .allx, .ally, .graph, .test.index) "
+            f"in that folder, or pass root= (--data.root=, or set {PLANETOID_ROOT_ENV}) to a "
+            f"folder holding {name}/raw/; or use data='sbm' for a generated graph."
+        ) from exc
 
 
 class StaleGatherDataModule(L.LightningDataModule):
@@ -78,15 +96,18 @@ class StaleGatherDataModule(L.LightningDataModule):
 
     Args:
         data: a PyG ``Data`` (with ``x``, ``y``, ``edge_index``, ``train_mask``, ``val_mask``,
-            ``test_mask``), a Planetoid name (``"Cora"``, ``"CiteSeer"``) loaded offline from
-            ``root``, or ``"sbm"`` for a generated stochastic block model graph.
+            ``test_mask``), a Planetoid name (``"Cora"``, ``"CiteSeer"``) loaded by
+            :func:`load_planetoid` from ``root``, or ``"sbm"`` for a generated stochastic block
+            model graph.
         num_intervals: vertex intervals (units of work); 1 <= num_intervals <= vertices.
         staleness: ``"sync"`` (barrier per layer: full-graph training), ``0`` (barrier per
             epoch) or ``S`` (intervals may run S epochs ahead of the slowest).
-        root: folder holding ``<name>/raw`` Planetoid files (default: ``STALWART_PLANETOID`` or
-            ``/work/shared/data/planetoid``).
-        fallback_sbm: if the Planetoid files are absent, warn and use a generated SBM graph of
-            the same feature width and class count instead of failing.
+        root: folder holding ``<name>/raw`` Planetoid files, downloaded there when absent
+            (default: :func:`default_planetoid_root`, ``~/.cache/pyg/planetoid``).
+        fallback_sbm: if the Planetoid files are absent and cannot be downloaded, warn and use
+            a generated SBM graph of the same feature width and class count instead of raising
+            :class:`~stalwart.errors.DatasetUnavailableError` (off by default: a run never
+            trains on other data than it names unless asked to).
         workers: threads per pool (graph tasks and tensor tasks); 0 runs tasks inline in a
             seeded order.
         straggler_delay: seconds added to every task of one tensor worker (0: no straggler).
@@ -148,7 +169,7 @@ class StaleGatherDataModule(L.LightningDataModule):
             )
         try:
             return load_planetoid(self.data, self.root)
-        except ConfigurationError as exc:
+        except DatasetUnavailableError as exc:
             if not self.fallback_sbm:
                 raise
             features, classes = PLANETOID_SHAPES[self.data]

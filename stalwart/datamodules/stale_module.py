@@ -153,7 +153,26 @@ class StaleGNNModule(L.LightningModule):
         self.log("test_acc", self._accuracy("test_mask"), batch_size=1)
 
 
-class StaleGCN(StaleGNNModule):
+class _StackedStaleGNN(StaleGNNModule):
+    """``num_layers`` layers of ``conv``, ``hidden`` units wide between input and classes."""
+
+    conv: type[nn.Module]
+
+    def _stack(
+        self, hidden: int, num_layers: int, num_features: int | None, num_classes: int | None
+    ) -> None:
+        if num_layers < 1 or hidden < 1:
+            raise ConfigurationError("hidden and num_layers must be >= 1.")
+        self.hidden, self.num_layers = hidden, num_layers
+        if num_features is not None and num_classes is not None:
+            self._build(num_features, num_classes)
+
+    def build_layers(self, num_features: int, num_classes: int) -> list[nn.Module]:
+        widths = [num_features] + [self.hidden] * (self.num_layers - 1) + [num_classes]
+        return [self.conv(a, b) for a, b in zip(widths, widths[1:], strict=False)]
+
+
+class StaleGCN(_StackedStaleGNN):
     """A GCN (Kipf & Welling) of stale GCN layers: ``hidden`` units per hidden layer.
 
     Args:
@@ -165,23 +184,17 @@ class StaleGCN(StaleGNNModule):
         >>> stalwart.Trainer(max_epochs=200).fit(StaleGCN(16), StaleGatherDataModule("Cora"))
     """
 
+    conv = StaleGCNConv
+
     def __init__(
         self, hidden: int = 16, num_layers: int = 2, lr: float = 0.01, weight_decay: float = 5e-4,
         dropout: float = 0.5, num_features: int | None = None, num_classes: int | None = None,
     ) -> None:  # fmt: skip
         super().__init__(lr, weight_decay, dropout, num_features, num_classes)
-        if num_layers < 1 or hidden < 1:
-            raise ConfigurationError("hidden and num_layers must be >= 1.")
-        self.hidden, self.num_layers = hidden, num_layers
-        if num_features is not None and num_classes is not None:
-            self._build(num_features, num_classes)
-
-    def build_layers(self, num_features: int, num_classes: int) -> list[nn.Module]:
-        widths = [num_features] + [self.hidden] * (self.num_layers - 1) + [num_classes]
-        return [StaleGCNConv(a, b) for a, b in zip(widths, widths[1:], strict=False)]
+        self._stack(hidden, num_layers, num_features, num_classes)
 
 
-class StaleGAT(StaleGNNModule):
+class StaleGAT(_StackedStaleGNN):
     """A single-head GAT of stale GAT layers (ApplyEdge: attention per edge).
 
     Args:
@@ -193,17 +206,11 @@ class StaleGAT(StaleGNNModule):
         >>> stalwart.Trainer(max_epochs=100).fit(StaleGAT(16), StaleGatherDataModule("Cora"))
     """
 
+    conv = StaleGATConv
+
     def __init__(
         self, hidden: int = 16, num_layers: int = 2, lr: float = 0.005, weight_decay: float = 5e-4,
         dropout: float = 0.5, num_features: int | None = None, num_classes: int | None = None,
     ) -> None:  # fmt: skip
         super().__init__(lr, weight_decay, dropout, num_features, num_classes)
-        if num_layers < 1 or hidden < 1:
-            raise ConfigurationError("hidden and num_layers must be >= 1.")
-        self.hidden, self.num_layers = hidden, num_layers
-        if num_features is not None and num_classes is not None:
-            self._build(num_features, num_classes)
-
-    def build_layers(self, num_features: int, num_classes: int) -> list[nn.Module]:
-        widths = [num_features] + [self.hidden] * (self.num_layers - 1) + [num_classes]
-        return [StaleGATConv(a, b) for a, b in zip(widths, widths[1:], strict=False)]
+        self._stack(hidden, num_layers, num_features, num_classes)

@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 from torch.nn import functional as F
 
 from stalwart.errors import ConfigurationError
+from stalwart.flat import flatten, unflatten_grads
 from stalwart.gnn.gate import parse_staleness
 from stalwart.gnn.ghost_buffer import VersionedGhostBuffer
 from stalwart.gnn.graph import IntervalGraph
@@ -174,10 +175,7 @@ class PartitionWorker:
         self._weight_update(weight_grads)
 
     def _weight_update(self, flat: torch.Tensor) -> None:
-        offset = 0
-        for param in self.model.parameters():
-            param.grad = flat[offset : offset + param.numel()].view_as(param).clone()
-            offset += param.numel()
+        unflatten_grads(self.model.parameters(), flat)
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.stash.publish(dict(self.model.named_parameters()))
@@ -242,7 +240,10 @@ class PartitionWorker:
                 dense.index_add_(0, block.neighbors, d_rows)
                 contributions[layer - 2] = dense
         self.stash.release(version)
-        flat = torch.cat([weight_grads[name].flatten() for name, _ in model.named_parameters()])
+        # One vector in parameter order: the summed gradients go back by unflatten_grads.
+        flat = flatten(
+            (weight_grads[name] for name, _ in model.named_parameters()), dtype=self.graph.x.dtype
+        )
         self.completed = epoch + 1
         if self.sync:
             self._weight_update(_Exchange(epoch, [flat], async_op=False).wait()[0])

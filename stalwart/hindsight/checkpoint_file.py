@@ -1,97 +1,48 @@
-"""Checkpoint files: atomic writes with a checksum, verified reads.
+"""Hindsight's checkpoint files: plain ``torch.save`` archives, checked against the run's index.
 
-A checkpoint is a plain ``torch.save`` file (so ``torch.load`` and Lightning's ``ckpt_path=`` read
-it as they read any checkpoint). Atomicity comes from writing to a hidden temp name and renaming;
-integrity from the size and CRC-32 the writer computes while streaming, which the run's index keeps
-and :func:`read_checkpoint` checks before unpickling anything.
+A checkpoint stays a plain, unsealed ``torch.save`` file, so ``torch.load`` and Lightning's
+``ckpt_path=`` read it as they read any checkpoint. It is written through
+:mod:`stalwart.durable` (temp name, fsync, rename, fsync of the directory); the size and CRC-32
+the write returns go into the run's SQLite index, and :func:`read_checkpoint` checks the file
+against them before unpickling anything.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import time
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from stalwart import durable
 from stalwart.errors import CorruptCheckpointError
 
-TEMP_MARKER = ".tmp-"
 
-
-@dataclass(frozen=True)
-class WrittenFile:
-    """What the writer knows once a checkpoint is durably in place."""
-
-    path: str
-    nbytes: int
-    crc32: int
-    seconds: float
-
-
-class _ChecksummingWriter:
-    """A write-only file wrapper that counts bytes and folds them into a CRC-32 as they pass."""
-
-    def __init__(self, raw) -> None:
-        self._raw = raw
-        self.nbytes = 0
-        self.crc32 = 0
-
-    def write(self, data) -> int:
-        view = memoryview(data)
-        self.crc32 = zlib.crc32(view, self.crc32)
-        self.nbytes += view.nbytes
-        return self._raw.write(view)
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-
-def temp_path_for(path: Path) -> Path:
-    """The hidden name a checkpoint is written under before it is renamed into place."""
-    return path.with_name(f".{path.name}{TEMP_MARKER}{os.getpid()}")
-
-
-def write_checkpoint(obj: Any, path: str | os.PathLike) -> WrittenFile:
-    """Serialize ``obj`` to ``path`` atomically: temp file, fsync, rename, fsync the directory."""
-    start = time.perf_counter()
-    final = Path(path)
-    temp = temp_path_for(final)
-    with open(temp, "wb") as raw:
-        writer = _ChecksummingWriter(raw)
-        torch.save(obj, writer)
-        raw.flush()
-        os.fsync(raw.fileno())
-    os.replace(temp, final)
-    dir_fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return WrittenFile(str(final), writer.nbytes, writer.crc32, time.perf_counter() - start)
+def write_checkpoint(obj: Any, path: str | os.PathLike) -> durable.WrittenFile:
+    """``torch.save`` ``obj`` to ``path`` atomically and durably; keep the result in the index."""
+    return durable.save_torch(obj, path, seal=False)
 
 
 def verify_checkpoint(path: str | os.PathLike, nbytes: int, crc32: int) -> bytes:
-    """Read ``path`` whole and check it against the recorded size and CRC-32; return its bytes."""
+    """Read ``path`` whole and check it against its index row; return its bytes.
+
+    Raises:
+        CorruptCheckpointError: the file is missing, truncated or changed.
+    """
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+    if not path.exists():
         raise CorruptCheckpointError(
             f"checkpoint {path} is listed in the run's index but missing on disk; "
             "replay from an earlier checkpoint or re-record the run."
-        ) from None
-    if len(data) != nbytes or zlib.crc32(data) != crc32:
-        raise CorruptCheckpointError(
-            f"checkpoint {path} is corrupted: expected {nbytes} bytes with CRC-32 {crc32:#010x}, "
-            f"found {len(data)} bytes with CRC-32 {zlib.crc32(data):#010x}. The file was changed "
-            "or truncated after it was written; use an earlier checkpoint of the run."
         )
-    return data
+    try:
+        return durable.verify_file(path, nbytes, crc32)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(
+            f"checkpoint {exc} To replay or resume, use an earlier checkpoint of the run."
+        ) from None
 
 
 def read_checkpoint(

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from stalwart.durable import WrittenFile
 from stalwart.errors import ConfigurationError
-from stalwart.hindsight.checkpoint_file import WrittenFile, write_checkpoint
+from stalwart.hindsight.checkpoint_file import write_checkpoint
 
 #: Training time lost to a background writer, as a fraction of the writer's own inline write time.
 CONTENTION_FACTOR = 0.7

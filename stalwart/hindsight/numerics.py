@@ -1,7 +1,7 @@
 """The torch settings that decide a run's floating-point results, captured and restored.
 
 Replay is only bit-exact if it computes the way the record did. Besides RNG state (see
-:mod:`stalwart.hindsight.rng`), torch's numerics depend on process-wide settings: the number of
+:mod:`stalwart.rng`), torch's numerics depend on process-wide settings: the number of
 intra-op threads (a parallel reduction splits its sum differently with 1 thread than with 2),
 deterministic algorithms, the float32 matmul precision and cuDNN's flags. The record stores them
 in its manifest; each replay process restores them before it computes anything.

@@ -14,7 +14,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, TypedDict
+from typing import Any
 
 from stalwart.hindsight.interference import InterferenceMeter
 from stalwart.hindsight.materializer import (
@@ -38,14 +38,6 @@ from stalwart.hindsight.store import (
 
 #: Logged values are committed to the store at least this often (and at every epoch end).
 LOG_FLUSH_SECONDS = 1.0
-
-
-class RecordOptions(TypedDict, total=False):
-    """The record settings every adapter accepts besides ``dirpath`` (see :class:`Recorder`)."""
-
-    epsilon: float
-    materializer: str | Materializer
-    restore_ratio: float
 
 
 class Recorder:

@@ -19,8 +19,9 @@ from typing import Any
 
 import pandas as pd
 
+from stalwart.durable import TEMP_MARKER, WrittenFile, is_temp
 from stalwart.errors import RunDirectoryError, RunNotFoundError
-from stalwart.hindsight.checkpoint_file import TEMP_MARKER, WrittenFile, read_checkpoint
+from stalwart.hindsight.checkpoint_file import read_checkpoint
 
 DB_NAME = "hindsight.db"
 #: SQLite's application_id header field: marks a database as ours ("STWL").
@@ -171,7 +172,7 @@ def sweep_torn_files(root: Path) -> list[Path]:
     Only ``.NAME.tmp-PID`` files whose writer PID is gone are removed; nothing else is touched.
     """
     removed = []
-    for temp in root.glob(f"run_*/.*{TEMP_MARKER}*"):
+    for temp in filter(is_temp, root.glob("run_*/.*")):
         pid = temp.name.rsplit(TEMP_MARKER, 1)[1]
         if pid.isdigit() and not _alive(int(pid)):
             temp.unlink(missing_ok=True)

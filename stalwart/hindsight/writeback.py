@@ -21,13 +21,14 @@ A target is a dict with a ``kind``:
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+
+from stalwart import durable
 
 #: Replayed series are written under this prefix, so they never pass for recorded values.
 REPLAY_PREFIX = "replay/"
@@ -135,16 +136,7 @@ def _csv(points: pd.DataFrame, target: Mapping[str, Any], replay_id: str) -> str
     wide = wide.reset_index()
     wide.columns.name = None
     merged = pd.concat([existing, wide], ignore_index=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            merged.to_csv(f, index=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    durable.write_text(path, merged.to_csv(index=False))
     return f"CSV {path}"
 
 

@@ -4,7 +4,7 @@ processes and a parameter server that may be SIGKILLed (see :mod:`stalwart.ps`).
 The user keeps the model code: each worker process runs the module's ``training_step`` on
 batches of its ``train_dataloader`` (or the datamodule's) to produce gradients; the parameter
 server applies them with SGD (the paper's setting; ``configure_optimizers`` is not called). The
-core is unchanged: this module only maps a LightningModule onto :class:`stalwart.ps.Workload`.
+core is unchanged: this module only maps a LightningModule onto :class:`stalwart.ps.PSWorkload`.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import lightning as L
 import torch
 
 from stalwart.errors import ConfigurationError
+from stalwart.flat import flatten, unflatten_into
 from stalwart.ps.config import PSConfig
-from stalwart.ps.model import flatten, unflatten_into
-from stalwart.ps.runner import RunResult, run_training
-from stalwart.ps.workload import Workload
+from stalwart.ps.result import PSRunResult
+from stalwart.ps.runner import run_training
+from stalwart.ps.workload import PSWorkload
 
 
-class LightningWorkload(Workload):
+class LightningPSWorkload(PSWorkload):
     """A LightningModule (and optionally a LightningDataModule) as a parameter-server workload.
 
     Args:
@@ -35,7 +36,7 @@ class LightningWorkload(Workload):
             accuracy); sampled by the runner for the accuracy-vs-time timeline. None: no timeline.
 
     Example:
-        >>> workload = LightningWorkload(MyModule(), MyDataModule())  # doctest: +SKIP
+        >>> workload = LightningPSWorkload(MyModule(), MyDataModule())  # doctest: +SKIP
     """
 
     def __init__(
@@ -53,7 +54,7 @@ class LightningWorkload(Workload):
         return copy.deepcopy(self.module)
 
     def initial_weights(self, seed: int) -> torch.Tensor:
-        return flatten(list(self.module.parameters()))
+        return flatten(self.module.parameters())
 
     def batches(self, worker: int, seed: int) -> Iterator[Any]:
         # A shuffling DataLoader draws its order from the global generator: one per worker.
@@ -133,13 +134,13 @@ class ParameterServerTrainer:
 
     def fit(
         self, model: L.LightningModule, datamodule: L.LightningDataModule | None = None
-    ) -> RunResult:
+    ) -> PSRunResult:
         """Train ``model`` (in place) with the parameter server; what the run measured."""
         if datamodule is not None:
             datamodule.prepare_data()  # once, in this process, as Lightning does
         result = run_training(
-            self.config, workload=LightningWorkload(model, datamodule, self.metric)
+            self.config, workload=LightningPSWorkload(model, datamodule, self.metric)
         )
         assert result.weights is not None
-        unflatten_into(model, result.weights)
+        unflatten_into(model.parameters(), result.weights)
         return result

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
+import logging
 import sys
-import tempfile
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from stalwart.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from stalwart.pipeline.simulator import Row
 
 DEFAULT_PROBABILITIES = "0.01,0.05,0.10,0.25,0.50"
 
@@ -54,7 +60,7 @@ def parse_probabilities(text: str) -> list[float]:
     return values
 
 
-def format_rows(rows) -> str:
+def format_rows(rows: Sequence[Row]) -> str:
     """The simulator's table: one line per strategy and preemption probability."""
     header = (
         f"{'strategy':<11} {'p':>5} {'preempt':>8} {'interval':>8} {'fatal':>8} "
@@ -76,15 +82,13 @@ def format_rows(rows) -> str:
     return "\n".join(lines)
 
 
-def plot_value(rows, path: str, runs: int | None = None) -> str:
-    """PNG: value, useful share and fatal failures vs preemption probability, with the thesis'
-    Table 3.3 values for reference."""
+def value_figure(rows: Sequence[Row], runs: int | None = None) -> Figure:
+    """A matplotlib figure of value, useful share and fatal failures vs preemption probability,
+    one line per strategy; its three axes are ``figure.axes``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from stalwart.pipeline.simulator import THESIS_TABLE_3_3
 
     fig, (value, useful, fatal) = plt.subplots(1, 3, figsize=(14, 4.2))
     for strategy, style in (("bamboo", "o-"), ("checkpoint", "s--"), ("on-demand", "k:")):
@@ -94,28 +98,35 @@ def plot_value(rows, path: str, runs: int | None = None) -> str:
         useful.plot(ps, [r.useful_share for r in pts], style, label=strategy)
         if strategy != "on-demand":
             fatal.plot(ps, [r.fatal_failures for r in pts], style, label=strategy)
-    thesis_ps = sorted(THESIS_TABLE_3_3)
-    value.plot(thesis_ps, [THESIS_TABLE_3_3[p][6] for p in thesis_ps], "x:", color="gray",
-               label="Bamboo, thesis Table 3.3")  # fmt: skip
-    fatal.plot(thesis_ps, [THESIS_TABLE_3_3[p][2] for p in thesis_ps], "x:", color="gray",
-               label="Bamboo, thesis Table 3.3")  # fmt: skip
     value.set(ylabel="value (samples/s per $/h)", title="value", ylim=(0, None))
     useful.set(ylabel="share of wall time", title="useful (kept) training time", ylim=(0, 1.05))
     fatal.set(ylabel="fatal failures per run", yscale="symlog", title="fatal failures (restarts)")
     for ax in (value, useful, fatal):
         ax.set_xlabel("hourly preemption probability per node")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-    fig.suptitle("Preemption SIMULATOR (scale claim, not a measurement)"
-                 + (f", {runs} runs per point" if runs else ""))  # fmt: skip
-    fig.tight_layout()
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=directory)
-    os.close(fd)
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)  # atomic: a reader never sees half a PNG
+    fig.suptitle("Preemption simulator" + (f", {runs} runs per point" if runs else ""))
+    return fig
+
+
+def save_png(fig: Figure, path: str) -> str:
+    """Write ``fig`` to ``path`` atomically (a reader never sees half a PNG) and close it."""
+    import matplotlib.pyplot as plt
+
+    from stalwart.durable import write_atomic
+
+    try:
+        for ax in fig.axes:
+            ax.legend(fontsize="small")
+        fig.tight_layout()
+        write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    finally:
+        plt.close(fig)
     return path
+
+
+def plot_value(rows: Sequence[Row], path: str, runs: int | None = None) -> str:
+    """PNG of :func:`value_figure` at ``path``."""
+    return save_png(value_figure(rows, runs), path)
 
 
 def run_simulate(args: argparse.Namespace) -> None:
@@ -123,7 +134,7 @@ def run_simulate(args: argparse.Namespace) -> None:
 
     settings = _settings(args)
     print(
-        "SIMULATOR (a scale claim, not a measurement): Bamboo vs checkpoint/restart vs "
+        "SIMULATOR (a model, not a measurement of this runtime): Bamboo vs checkpoint/restart vs "
         f"on-demand, D={settings.num_pipelines}, P={settings.num_stages}, "
         f"on-demand depth {settings.demand_stages}"
     )
@@ -175,6 +186,9 @@ def run_pipeline(args: argparse.Namespace) -> None:
         checkpoint_every=args.checkpoint_every, verify_replicas=True,
     )  # fmt: skip
     faults = [Fault.parse(f) for f in args.fault]
+    # The launcher reports each step's loss through logging; this command shows it on stderr.
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("stalwart.pipeline.launch").setLevel(logging.INFO)
     result = launch(job, faults=faults, progress=True, timeout=600)
     for event in result.events:
         print(f"recovery: {event}")

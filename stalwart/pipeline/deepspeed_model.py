@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stalwart.errors import ConfigurationError
-from stalwart.pipeline.workloads import Workload
+from stalwart.pipeline.workloads import PipelineWorkload
 
 _SHM_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory all-reduce, JIT-compiled
 
@@ -116,7 +116,7 @@ def _specs(model: object) -> list:
     return specs
 
 
-class DeepSpeedWorkload(Workload):
+class DeepSpeedWorkload(PipelineWorkload):
     """Layers and loss from a DeepSpeed pipeline description; data from another workload.
 
     Args:
@@ -129,7 +129,9 @@ class DeepSpeedWorkload(Workload):
         >>> IN_MEMORY["in-memory:ds"] = workload                          # doctest: +SKIP
     """
 
-    def __init__(self, model: object, data: Workload, loss_fn: Callable | None = None) -> None:
+    def __init__(
+        self, model: object, data: PipelineWorkload, loss_fn: Callable | None = None
+    ) -> None:
         from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
         self.specs = _specs(model)

@@ -53,7 +53,8 @@ class PipelineJob:
         num_pipelines: D data-parallel pipelines; the global batch is split into D shards and
             the gradients are summed across pipelines at the end of each step.
         failure_timeout: seconds a send/recv or the rendezvous waits for a silent peer.
-        workload: ``package.module:Class`` of a :class:`~stalwart.pipeline.workloads.Workload`.
+        workload: ``package.module:Class`` of a
+            :class:`~stalwart.pipeline.workloads.PipelineWorkload`.
         workload_kwargs: its keyword arguments.
         batch_size: global batch per step (split into M micro-batches).
         optimizer: ``"sgd"`` (momentum 0.9), ``"adam"``, or the import path of a
@@ -68,8 +69,8 @@ class PipelineJob:
         profile: publish, per step and rank, the CPU and wall seconds spent in each kind of
             instruction (the breakdown ``benchmarks/pipeline_overhead.py`` prints).
         seed: model initialisation seed (the same on every worker).
-        device: ``"cpu"`` (gloo) or ``"cuda"`` (one GPU per worker, NCCL). The CUDA path is
-            written but UNTESTED: the machines this was built on have no GPU.
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (one GPU per worker, NCCL). The CUDA path has
+            not run on a GPU yet; CI has none (see docs/pipeline.md, Limitations).
         batches_from_store: driven mode: the workers take each step's batch from the store
             (``batch/<step>``, put there by a driver such as the Lightning strategy) and run
             until the driver sets ``stop``; ``steps`` is then not used.
@@ -105,6 +106,12 @@ class PipelineJob:
 
     def validate(self) -> PipelineJob:
         """Check every field; return a copy with ``num_nodes`` and ``bounds`` filled in."""
+        nodes = self._check_world()
+        self._check_choices()
+        return self._with_bounds(nodes)
+
+    def _check_world(self) -> int:
+        """Check the sizes and timeouts; the number of nodes."""
         if self.num_stages < 1:
             raise ConfigurationError(f"num_stages={self.num_stages}: use at least 1 stage.")
         if self.num_pipelines < 1:
@@ -133,6 +140,10 @@ class PipelineJob:
                 f"batch_size={self.batch_size} must be a multiple of num_microbatches x "
                 f"num_pipelines = {self.num_microbatches * self.num_pipelines}."
             )
+        return nodes
+
+    def _check_choices(self) -> None:
+        """Check the fields that name one of a fixed set of options."""
         if self.redundancy not in REDUNDANCY:
             raise ConfigurationError(f"redundancy={self.redundancy!r}: use one of {REDUNDANCY}.")
         if self.frc_policy not in FRC_POLICIES:
@@ -150,6 +161,9 @@ class PipelineJob:
             raise ConfigurationError(f"schedule={self.schedule!r}: use one of {list(SCHEDULES)}.")
         if self.checkpoint_every < 0:
             raise ConfigurationError("checkpoint_every must be >= 0.")
+
+    def _with_bounds(self, nodes: int) -> PipelineJob:
+        """A copy with ``num_nodes`` and checked (given) or computed stage ``bounds``."""
         workload = load_workload(self.workload, self.workload_kwargs)
         torch.manual_seed(self.seed)
         layers = workload.layers()

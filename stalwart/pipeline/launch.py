@@ -1,9 +1,13 @@
 """The agent: hosts the rendezvous store, starts one worker process per node, watches them.
 
 The c10d ``TCPStore`` lives in this process, which is not a trainer, so it survives the loss of
-any worker. The agent reports every worker that exits before finishing as ``dead/<rank>`` —
-the fast path of failure detection (the workers' own send/recv errors and ``failure_timeout``
-are the slow path, and what a multi-machine launch without this agent relies on).
+any worker. It is hosted here rather than by :mod:`stalwart.store_host` so that the workers can
+be forked from this process in milliseconds, before the store's server thread starts; a launch
+across machines uses ``python -m stalwart.store_host`` (see :mod:`stalwart.pipeline.node`).
+
+The agent reports every worker that exits before finishing as ``dead/<rank>`` — the fast path
+of failure detection (the workers' own send/recv errors and ``failure_timeout`` are the slow
+path, and what a multi-machine launch without this agent relies on).
 
 Example:
     >>> result = launch(PipelineJob(num_stages=4, steps=3), faults=[Fault(2, 1, "backward")])
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import multiprocessing
 import os
 import subprocess
@@ -28,33 +33,17 @@ from typing import Any
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
-from stalwart.errors import ConfigurationError, StalwartError
+from stalwart import durable
+from stalwart.errors import ConfigurationError, PipelineRunError
+from stalwart.pipeline import keys
 from stalwart.pipeline.faults import Fault
 from stalwart.pipeline.job import PipelineJob
 
-# Run a stalwart.pipeline module's main() without running stalwart/__init__.py: it imports
-# Lightning (~8 s of CPU per process on this 2-core machine); the pipeline runtime needs only
-# torch and its own package. Usage: python -c BOOT stalwart.pipeline.runtime --job ... (also
-# under torchrun: torchrun --no-python ... python -c BOOT stalwart.pipeline.node --job ...).
-BOOT = (
-    "import importlib, importlib.util, sys, types\n"
-    "spec = importlib.util.find_spec('stalwart')\n"
-    "pkg = types.ModuleType('stalwart')\n"
-    "pkg.__path__ = list(spec.submodule_search_locations)\n"
-    "sys.modules['stalwart'] = pkg\n"
-    "sys.exit(importlib.import_module(sys.argv[1]).main(sys.argv[2:]))\n"
-)
-
-
-ROLES = ("owner", "replica")
-
-
-class PipelineRunError(StalwartError):
-    """The pipeline run did not complete (a hang past the timeout, or a suspended job)."""
+log = logging.getLogger(__name__)
 
 
 @dataclass
-class RunResult:
+class PipelineRunResult:
     """What a finished run recorded in the store.
 
     Attributes:
@@ -125,7 +114,7 @@ class PipelineAgent:
         if job.checkpoint_dir is None:
             job.checkpoint_dir = str(tmp / "checkpoints")
         job_file = tmp / "job.json"
-        job_file.write_text(job.to_json())
+        durable.write_text(job_file, job.to_json())
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         faults_json = json.dumps([f.to_dict() for f in self.faults])
         try:
@@ -138,7 +127,7 @@ class PipelineAgent:
                 "127.0.0.1", 0, is_master=True, wait_for_workers=False,
                 timeout=datetime.timedelta(seconds=30),
             )  # fmt: skip
-            self.store = PrefixStore("run", self.master)
+            self.store = PrefixStore(keys.RUN_PREFIX, self.master)
             if self.start_method == "fork":
                 for conn in ports:
                     conn.send(self.master.port)
@@ -171,8 +160,8 @@ class PipelineAgent:
             if rank in self.exit_codes or code is None:
                 continue
             self.exit_codes[rank] = code
-            if not self.store.check([f"finished/{rank}"]):
-                self.store.set(f"dead/{rank}", f"exit code {code}")
+            if not self.store.check([keys.finished(rank)]):
+                self.store.set(keys.dead(rank), f"exit code {code}")
         return len(self.exit_codes) == len(self.procs)
 
     def pid(self, rank: int) -> int:
@@ -206,14 +195,14 @@ def launch(
     timeout: float = 120.0,
     progress: bool = False,
     start_method: str = "fork",
-) -> RunResult:
+) -> PipelineRunResult:
     """Validate ``job``, run it on ``job.num_nodes`` local worker processes, collect results.
 
     Args:
         job: the run; bad input raises :class:`ConfigurationError` before any process starts.
         faults: kills/preemptions to inject.
         timeout: seconds before the run is declared hung; the workers are then killed.
-        progress: print each completed step.
+        progress: log each completed step's loss (INFO, logger ``stalwart.pipeline.launch``).
         start_method: ``"fork"`` or ``"spawn"`` (see :class:`PipelineAgent`).
     """
     with PipelineAgent(job, faults, start_method) as agent:
@@ -221,14 +210,16 @@ def launch(
 
         def all_exited() -> bool:
             nonlocal reported
-            while progress and agent.store.check([f"loss/{reported}"]):
-                print(f"step {reported}: loss {float(agent.store.get(f'loss/{reported}')):.5f}")
+            while progress and agent.store.check([keys.loss(reported)]):
+                loss = float(agent.store.get(keys.loss(reported)))
+                log.info("step %d: loss %.5f", reported, loss)
                 reported += 1
             return len(agent.exit_codes) == len(agent.procs)
 
         agent.wait_until(all_exited, timeout)
         job = agent.job
-        result = _collect(agent.store, job, agent.exit_codes, time.monotonic() - agent.started)
+        seconds = time.monotonic() - agent.started
+        result = collect_result(agent.store, job, agent.exit_codes, seconds)
     if len(result.losses) < job.steps:
         raise PipelineRunError(
             f"training stopped before step {job.steps} ({len(result.losses)} steps done); exit "
@@ -240,8 +231,8 @@ def launch(
 
 def collect_events(store: Store) -> list[dict]:
     """The recoveries recorded so far, in order."""
-    count = store.add("events", 0)
-    return [json.loads(store.get(f"event/{n}")) for n in range(1, count + 1)]
+    count = store.add(keys.EVENTS, 0)
+    return [json.loads(store.get(keys.event(n))) for n in range(1, count + 1)]
 
 
 class _Forked:
@@ -265,7 +256,7 @@ def _forked_worker(conn: Any, job_json: str, rank: int, faults_json: str) -> Non
 
     port = conn.recv()
     conn.close()
-    run_worker(job_json, rank, port, faults_json)
+    sys.exit(run_worker(job_json, rank, port, faults_json))
 
 
 def _fork(job: PipelineJob, faults_json: str) -> tuple[dict, list]:
@@ -288,8 +279,7 @@ def _spawn(job: PipelineJob, job_file: Path, port: int, faults_json: str, env: d
         rank: subprocess.Popen(
             [
                 sys.executable,
-                "-c",
-                BOOT,
+                "-m",
                 "stalwart.pipeline.runtime",
                 "--job",
                 str(job_file),
@@ -306,29 +296,38 @@ def _spawn(job: PipelineJob, job_file: Path, port: int, faults_json: str, env: d
     }
 
 
-def _collect(store: PrefixStore, job: PipelineJob, codes: dict[int, int], secs: float) -> RunResult:
+def collect_result(
+    store: Store, job: PipelineJob, codes: dict[int, int], secs: float
+) -> PipelineRunResult:
+    """What the run of ``job`` recorded in ``store`` (``job.steps`` steps at most), with the
+    workers' exit codes and the run's wall time."""
     losses, times = [], []
     for step in range(job.steps):
-        if not store.check([f"loss/{step}"]):
+        if not store.check([keys.loss(step)]):
             break
-        losses.append(float(store.get(f"loss/{step}")))
-        times.append(float(store.get(f"time/{step}")))
-    digests: dict[tuple[int, int], dict[str, str]] = {}
-    if job.verify_replicas:
-        roles = [r + (f"@{i}" if i else "") for i in range(job.num_pipelines) for r in ROLES]
-        for step in range(job.steps):
-            for stage in range(job.num_stages):
-                for role in roles:
-                    key = f"digest/{step}/{stage}/{role}"
-                    if store.check([key]):
-                        digests.setdefault((step, stage), {})[role] = store.get(key).decode()
+        losses.append(float(store.get(keys.loss(step))))
+        times.append(float(store.get(keys.step_time(step))))
+    digests = _collect_digests(store, job) if job.verify_replicas else {}
     events = collect_events(store)
-    reused = {r: store.add(f"frc_reused/{r}", 0) for r in range(job.num_nodes)}
+    nodes = range(job.num_nodes)
+    reused = {r: store.add(keys.frc_reused(r), 0) for r in nodes}
     profile = {}
     if job.profile:
         for step in range(job.steps):
-            for rank in range(job.num_nodes):
-                if store.check([f"profile/{step}/{rank}"]):
-                    profile[(step, rank)] = json.loads(store.get(f"profile/{step}/{rank}"))
-    programs = {r: store.add(f"programs/{r}", 0) for r in range(job.num_nodes)}
-    return RunResult(losses, times, digests, events, codes, reused, secs, profile, programs)
+            for rank in nodes:
+                if store.check([keys.profile(step, rank)]):
+                    profile[(step, rank)] = json.loads(store.get(keys.profile(step, rank)))
+    programs = {r: store.add(keys.programs(r), 0) for r in nodes}
+    return PipelineRunResult(losses, times, digests, events, codes, reused, secs, profile, programs)
+
+
+def _collect_digests(store: Store, job: PipelineJob) -> dict[tuple[int, int], dict[str, str]]:
+    roles = [keys.role(r, i) for i in range(job.num_pipelines) for r in keys.ROLES]
+    digests: dict[tuple[int, int], dict[str, str]] = {}
+    for step in range(job.steps):
+        for stage in range(job.num_stages):
+            for role in roles:
+                key = keys.digest(step, stage, role)
+                if store.check([key]):
+                    digests.setdefault((step, stage), {})[role] = store.get(key).decode()
+    return digests

@@ -10,12 +10,12 @@ a worker that finished, not one that failed, and leaves the others running. (A w
 crashes with an ordinary error is a bug: its exit code is passed on and torchrun stops the job.)
 
 The store is not torchrun's: it is a c10d ``TCPStore`` hosted by a process that is not a trainer
-(``python -m stalwart.pipeline.store``), so it survives any of them — including the machine
-whose torchrun agent hosts torchrun's own rendezvous.
+(``python -m stalwart.store_host``, :mod:`stalwart.store_host`), so it survives any of them —
+including the machine whose torchrun agent hosts torchrun's own rendezvous.
 
 One machine, four ranks (each torchrun worker is one pipeline node)::
 
-    python -m stalwart.pipeline.store --port 29600 &
+    python -m stalwart.store_host --port 29600 &
     torchrun --standalone --nproc-per-node=4 -m stalwart.pipeline.node \\
         --job job.json --store 127.0.0.1:29600
 
@@ -39,6 +39,7 @@ from pathlib import Path
 from torch.distributed import PrefixStore, TCPStore
 
 from stalwart.errors import ConfigurationError
+from stalwart.pipeline import keys
 from stalwart.pipeline.job import PipelineJob
 
 # A worker that left by a signal (-9 SIGKILL, -15 or 143 after its own SIGTERM handler) or by
@@ -49,7 +50,7 @@ _LEFT = {0, -signal.SIGKILL, -signal.SIGTERM, 128 + signal.SIGTERM}
 def _worker(job_json: str, rank: int, host: str, port: int, faults_json: str) -> None:
     from stalwart.pipeline.runtime import run_worker
 
-    run_worker(job_json, rank, port, faults_json, host)
+    sys.exit(run_worker(job_json, rank, port, faults_json, host))
 
 
 def run_node(job: PipelineJob, rank: int, host: str, port: int, faults_json: str = "[]") -> int:
@@ -68,11 +69,11 @@ def run_node(job: PipelineJob, rank: int, host: str, port: int, faults_json: str
 
     signal.signal(signal.SIGTERM, forward)
     timeout = datetime.timedelta(seconds=max(30.0, job.failure_timeout))
-    store = PrefixStore("run", TCPStore(host, port, is_master=False, timeout=timeout))
+    store = PrefixStore(keys.RUN_PREFIX, TCPStore(host, port, is_master=False, timeout=timeout))
     worker.join()
     code = worker.exitcode if worker.exitcode is not None else -signal.SIGKILL
-    if not store.check([f"finished/{rank}"]):
-        store.set(f"dead/{rank}", f"exit code {code} (reported by its node agent)")
+    if not store.check([keys.finished(rank)]):
+        store.set(keys.dead(rank), f"exit code {code} (reported by its node agent)")
     return 0 if code in _LEFT else code
 
 

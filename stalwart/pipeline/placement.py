@@ -219,6 +219,21 @@ class Layout:
                 return i
         return None
 
+    def to_dict(self) -> dict:
+        """JSON-able form (what the survivors agree on through the store)."""
+        return {
+            "pipelines": [[list(p.owner), list(p.replica)] for p in self.pipelines],
+            "shards": [list(s) for s in self.shards],
+            "standby": list(self.standby),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Layout:
+        """Inverse of :meth:`to_dict`."""
+        pipelines = tuple(Placement(tuple(o), tuple(r)) for o, r in data["pipelines"])
+        shards = tuple(tuple(s) for s in data["shards"])
+        return cls(pipelines, shards, tuple(data["standby"]))
+
 
 def _deal(shards: Iterable[int], pipelines: int) -> tuple[tuple[int, ...], ...]:
     dealt: list[list[int]] = [[] for _ in range(pipelines)]

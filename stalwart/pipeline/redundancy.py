@@ -54,6 +54,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from stalwart.pipeline.op_profile import OpProfile
+from stalwart.pipeline.schedule import Op
 from stalwart.pipeline.threadclock import ThreadClock
 
 EXECUTORS = ("idle_thread", "main_thread")
@@ -272,3 +274,30 @@ class EagerFRC:
         if previous is not None:
             return previous[1]
         return self.load_input(task.stage, task.mb)
+
+
+def frc_filler(
+    frc: EagerFRC, profile: OpProfile | None = None, label: str = ""
+) -> Callable[[], bool] | None:
+    """What a waiting main thread runs in its bubble: one layer of queued FRC per call,
+    returning False once the queue is empty. None when the idle thread works off the queue.
+
+    Args:
+        frc: the node's FRC.
+        profile: if given, the wait so far is charged to ``label`` and the layer to ``FRC``.
+        label: what the thread is waiting in (e.g. ``"RecvActivation"``, ``"Commit"``).
+    """
+    if frc.background:
+        return None
+
+    def fill() -> bool:
+        if not frc.pending:
+            return False
+        if profile is not None:
+            profile.tick(label)
+        frc.advance()
+        if profile is not None:
+            profile.tick(Op.FRC.value)
+        return True
+
+    return fill

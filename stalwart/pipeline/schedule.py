@@ -300,6 +300,29 @@ def add_eager_frc(
     return out
 
 
+def node_stream(
+    base: Sequence[Sequence[Instruction]],
+    own_stages: Sequence[int],
+    replica_stages: Sequence[int],
+    eager_frc: bool,
+) -> list[Instruction]:
+    """The stream of a node that owns ``own_stages`` (merged, in order) and holds the replicas
+    of ``replica_stages``, with eager FRC marks if ``eager_frc``.
+
+    Args:
+        base: every stage's own stream (one schedule's output).
+        own_stages: the stages the node owns, ascending (more than one after a failover).
+        replica_stages: the stages whose replicas it holds.
+        eager_frc: insert :func:`add_eager_frc` marks.
+    """
+    stream = list(base[own_stages[0]])
+    for s in own_stages[1:]:
+        stream = merge_streams(stream, base[s], base)
+    if eager_frc:
+        stream = add_eager_frc(stream, own_stages[-1], replica_stages)
+    return stream
+
+
 @dataclass
 class StreamCheck:
     """Outcome of :func:`check_streams`."""
@@ -330,73 +353,110 @@ def check_streams(
                 return StreamCheck(False, f"stage {s} is run by ranks {owner[s]} and {rank}")
     if sorted(owner) != list(range(num_stages)):
         return StreamCheck(False, f"stages owned {sorted(owner)} != 0..{num_stages - 1}")
-    last = num_stages - 1
-    mailbox: set[tuple[str, int, int]] = set()  # (kind, receiving stage, mb)
-    done: set[tuple[Op, int, int]] = set()
-    pc = dict.fromkeys(programs, 0)
-    executed = 0
-
-    def local(rank: int, stage: int) -> bool:
-        return owner.get(stage) == rank
-
-    def step(rank: int, ins: Instruction) -> bool | str:
-        s, k = ins.stage, ins.mb
-        if ins.op is Op.RECV_ACT:
-            return ("act", s, k) in mailbox
-        if ins.op is Op.RECV_GRAD:
-            return ("grad", s, k) in mailbox
-        if ins.op is Op.SEND_ACT:
-            if (Op.FORWARD, s, k) not in done:
-                return f"{ins} before its forward"
-            mailbox.add(("act", s + 1, k))
-        elif ins.op is Op.SEND_GRAD:
-            if (Op.BACKWARD, s, k) not in done:
-                return f"{ins} before its backward"
-            mailbox.add(("grad", s - 1, k))
-        elif ins.op is Op.FORWARD:
-            if s == 0:
-                have = (Op.LOAD, 0, k) in done
-            elif local(rank, s - 1):
-                have = (Op.FORWARD, s - 1, k) in done
-            else:
-                have = (Op.RECV_ACT, s, k) in done
-            if not have:
-                return f"{ins} without its input"
-            if (Op.FORWARD, s, k) in done:
-                return f"{ins} twice"
-        elif ins.op is Op.BACKWARD:
-            if (Op.FORWARD, s, k) not in done:
-                return f"{ins} before its forward"
-            if s != last:
-                src = Op.BACKWARD if local(rank, s + 1) else Op.RECV_GRAD
-                if (src, s + 1 if src is Op.BACKWARD else s, k) not in done:
-                    return f"{ins} without its output gradient"
-            if (Op.BACKWARD, s, k) in done:
-                return f"{ins} twice"
-        return True
-
-    while True:
-        progressed = False
-        for rank, prog in programs.items():
-            while pc[rank] < len(prog):
-                ins = prog[pc[rank]]
-                result = step(rank, ins)
-                if isinstance(result, str):
-                    return StreamCheck(False, f"rank {rank}: {result}", executed)
-                if not result:
-                    break
-                done.add((ins.op, ins.stage, ins.mb))
-                pc[rank] += 1
-                executed += 1
-                progressed = True
-        if all(pc[r] == len(p) for r, p in programs.items()):
-            break
-        if not progressed:
-            stuck = {r: prog[pc[r]] for r, prog in programs.items() if pc[r] < len(prog)}
-            return StreamCheck(False, f"deadlock: ranks wait at {stuck}", executed)
+    run = _SymbolicRun(programs, owner, num_stages)
+    failure = run.run()
+    if failure is not None:
+        return StreamCheck(False, failure, run.executed)
     for s in range(num_stages):
         for k in range(num_microbatches):
             for op in (Op.FORWARD, Op.BACKWARD):
-                if (op, s, k) not in done:
-                    return StreamCheck(False, f"{op.value}({s},{k}) never ran", executed)
-    return StreamCheck(True, "", executed)
+                if (op, s, k) not in run.done:
+                    return StreamCheck(False, f"{op.value}({s},{k}) never ran", run.executed)
+    return StreamCheck(True, "", run.executed)
+
+
+class _SymbolicRun:
+    """Rank programs executed symbolically: the messages posted and the instructions done."""
+
+    def __init__(
+        self, programs: dict[int, Sequence[Instruction]], owner: dict[int, int], num_stages: int
+    ) -> None:
+        self.programs, self.owner, self.last = programs, owner, num_stages - 1
+        self.mailbox: set[tuple[str, int, int]] = set()  # (kind, receiving stage, mb)
+        self.done: set[tuple[Op, int, int]] = set()
+        self.pc = dict.fromkeys(programs, 0)
+        self.executed = 0
+
+    def run(self) -> str | None:
+        """Run every rank as far as it can until all finish; the first failure, if any."""
+        while True:
+            progressed = False
+            for rank, prog in self.programs.items():
+                moved = self._advance(rank, prog)
+                if isinstance(moved, str):
+                    return moved
+                progressed |= moved
+            if all(self.pc[r] == len(p) for r, p in self.programs.items()):
+                return None
+            if not progressed:
+                stuck = {
+                    r: prog[self.pc[r]] for r, prog in self.programs.items()
+                    if self.pc[r] < len(prog)
+                }  # fmt: skip
+                return f"deadlock: ranks wait at {stuck}"
+
+    def _advance(self, rank: int, prog: Sequence[Instruction]) -> bool | str:
+        """Run ``rank`` until it blocks; whether it moved, or what went wrong."""
+        moved = False
+        while self.pc[rank] < len(prog):
+            ins = prog[self.pc[rank]]
+            result = self._step(rank, ins)
+            if isinstance(result, str):
+                return f"rank {rank}: {result}"
+            if not result:
+                break
+            self.done.add((ins.op, ins.stage, ins.mb))
+            self.pc[rank] += 1
+            self.executed += 1
+            moved = True
+        return moved
+
+    def _local(self, rank: int, stage: int) -> bool:
+        return self.owner.get(stage) == rank
+
+    def _step(self, rank: int, ins: Instruction) -> bool | str:
+        """Whether ``ins`` can run now (False: it blocks), or why it is wrong."""
+        s, k = ins.stage, ins.mb
+        if ins.op is Op.RECV_ACT:
+            return ("act", s, k) in self.mailbox
+        if ins.op is Op.RECV_GRAD:
+            return ("grad", s, k) in self.mailbox
+        if ins.op is Op.SEND_ACT:
+            if (Op.FORWARD, s, k) not in self.done:
+                return f"{ins} before its forward"
+            self.mailbox.add(("act", s + 1, k))
+        elif ins.op is Op.SEND_GRAD:
+            if (Op.BACKWARD, s, k) not in self.done:
+                return f"{ins} before its backward"
+            self.mailbox.add(("grad", s - 1, k))
+        elif ins.op is Op.FORWARD:
+            return self._forward(rank, ins)
+        elif ins.op is Op.BACKWARD:
+            return self._backward(rank, ins)
+        return True
+
+    def _forward(self, rank: int, ins: Instruction) -> bool | str:
+        s, k = ins.stage, ins.mb
+        if s == 0:
+            have = (Op.LOAD, 0, k) in self.done
+        elif self._local(rank, s - 1):
+            have = (Op.FORWARD, s - 1, k) in self.done
+        else:
+            have = (Op.RECV_ACT, s, k) in self.done
+        if not have:
+            return f"{ins} without its input"
+        if (Op.FORWARD, s, k) in self.done:
+            return f"{ins} twice"
+        return True
+
+    def _backward(self, rank: int, ins: Instruction) -> bool | str:
+        s, k = ins.stage, ins.mb
+        if (Op.FORWARD, s, k) not in self.done:
+            return f"{ins} before its forward"
+        if s != self.last:
+            src = Op.BACKWARD if self._local(rank, s + 1) else Op.RECV_GRAD
+            if (src, s + 1 if src is Op.BACKWARD else s, k) not in self.done:
+                return f"{ins} without its output gradient"
+        if (Op.BACKWARD, s, k) in self.done:
+            return f"{ins} twice"
+        return True

@@ -1,97 +1,65 @@
-"""Event-driven preemption SIMULATOR - a scale claim, not a measurement of stalwart's runtime:
-redundant pipelines (Bamboo) vs checkpoint/restart vs on-demand.
+"""Event-driven preemption simulator: redundant pipelines (Bamboo) vs checkpoint/restart vs
+on-demand instances, for one training job on a spot market.
 
-It is the thesis' simulator (chapter 3, §3.6.2): "an offline simulation framework that takes as
-input (1) the preemption probability (including preemption frequency and the number of
-preemptions in each bulk), (2) per-iteration training time, and (3) Bamboo's recovery and
-reconfiguration time", trains "until completion" and averages preemptions, fatal failures,
-nodes, throughput, cost and value over 1,000 runs per preemption probability. Its result
-(Table 3.3, BERT-large, D=4, P=12; on-demand value 1.10):
-
-    p      preemptions  interval h  fatal  nodes  throughput  cost $/h  value
-    0.01        8.50       2.08     0.06   45.18     87.99     41.11    2.10
-    0.05       48.15       0.44     0.23   43.65     76.35     39.73    1.90
-    0.10       99.77       0.23     0.29   41.69     72.12     37.94    1.88
-    0.25      276.52       0.10     1.04   35.80     60.12     32.58    1.82
-    0.50      709.83       0.06     5.98   26.96     40.37     24.53    1.59
-
-"regardless of the preemption probability, the value of Bamboo remains stable and is
-constantly higher than that of training with on-demand instances (which is 1.1) ... The higher
-the preemption probability, the less the active instances running training jobs ... However,
-the cost is reduced also proportionally, leading to stable values." "Stable" there means: value
-falls 24% (2.10 -> 1.59) while throughput falls 54%. The thesis' real runs (Table 3.2, BERT,
-Bamboo-S) fell 30% from the 10% to the 33% hourly rate (value 2.34 -> 1.65).
-
-Model, with the passage behind each choice:
+What it answers: at an hourly preemption probability ``p`` per node, what throughput, bill and
+value (throughput per $/h, thesis §3.6.1: "V = T/C") each strategy gets, averaged over many
+random runs (:func:`simulate`, :func:`sweep`) or from one recorded trace (:func:`replay_trace`).
+It is a model whose inputs are :class:`SimulationSettings`, not a measurement of stalwart's
+runtime. Like the thesis' own simulator (chapter 3, §3.6.2) it takes "(1) the preemption
+probability (including preemption frequency and the number of preemptions in each bulk), (2)
+per-iteration training time, and (3) Bamboo's recovery and reconfiguration time" and trains
+"until completion". Each modelling choice, with the passage behind it:
 
 * Market (:class:`MarketProcess`). Each node is preempted with hourly probability ``p``,
   constant over the run (§3.6.2: "kept the preemption probability constant throughout the
   entire run"). An event takes a bulk from one zone (§3.3: of 127 preemption timestamps in the
   EC2 trace "only 7 see preemptions from multiple zones"); bulk sizes are geometric with mean
   ``bulk_mean`` and events are rarer by that factor, so each node's probability stays ``p``.
-  Default 1: in Table 3.3, interval x preemptions equals the run length (e.g. 0.06 h x 709.83 =
-  43 h, the time 40.37 samples/s needs), so its events took one node each. Missing nodes are
-  granted at an allocation probability drawn uniformly every hour, in a random zone (§3.6.2:
-  "we randomly generated different creation probabilities per hour and also randomly picked
-  zones for allocations"), refilling towards P x D nodes and never beyond (§3.4: "Bamboo would
-  never try to scale the training beyond P x D"). This market alone gives Table 3.3's node
-  counts to within 6%.
-* Cost: every allocated spot node is billed, working or standby, and a preempted node is not
-  (Table 3.3: cost = nodes x $0.918 within 1%, e.g. 26.96 x 0.918 = 24.75 vs 24.53).
-  Value = throughput / cost (§3.6.1: "Value is computed as V = T/C").
+  Missing nodes are granted at an allocation probability drawn uniformly every hour, in a
+  random zone (§3.6.2: "we randomly generated different creation probabilities per hour and
+  also randomly picked zones for allocations"), refilling towards P x D nodes and never beyond
+  (§3.4: "Bamboo would never try to scale the training beyond P x D").
+* Cost: every allocated spot node is billed, working or standby; a preempted node is not.
 * Throughput. With all D pipelines healthy, each runs at the on-demand pipeline's rate slowed
-  by eager FRC (Table 3.2: Demand-S BERT 108 samples/s from D=4 pipelines; Table 3.5:
-  eager-FRC-lazy-BRC +19.77%): the extra 50% of depth holds replicas, it does not add speed
-  (§3.4: 1.5x longer "due to the extra memory needed"). The global batch is kept when
-  pipelines are lost (no sample dropping, §3.3 Strawman #2), so each of D' < D pipelines runs
-  D/D' times the M micro-batches per step and a 1F1B step takes (M D/D' + P - 1) micro-batch
-  slots: fewer pipelines fill their bubble better. M=20 reproduces, within 2%, the measured
-  BERT iteration times the thesis authors' simulator uses as input (2.3 / 3.1 / 5.7 s for 3 / 2
-  / 1 pipelines of 8 stages, ``project_pactum/simulation/simulator.py`` in uclasystem/bamboo).
-  A pipeline in failover runs at the pace of its shadow, which executes "all instructions of
-  the victim node" (§3.5.2), i.e. the forward and backward of two stages - the per-node work of
-  eager-FRC-eager-BRC - so it is slower by (1 + 71.51%) / (1 + 19.77%) = 1.43 (Table 3.5); the
-  pipelines all-reduce "at the end of each iteration" (§3.4), so the whole step waits for it.
-* Failover: a lost node whose predecessor (its shadow) is alive costs a recovery pause for every
-  pipeline: "each node participating in all-reduce ... if another pipeline has a failure, waits
+  by eager forward redundant computation (``rc_overhead``): the extra depth holds replicas, it
+  does not add speed (§3.4). The global batch is kept when pipelines are lost (no sample
+  dropping, §3.3), so each of D' < D pipelines runs D/D' times the M micro-batches per step, and
+  a 1F1B step of m micro-batches on P stages takes m + P - 1 micro-batch slots: fewer pipelines
+  fill their bubble better. A pipeline in failover runs at the pace of its shadow, which
+  executes "all instructions of the victim node" (§3.5.2), i.e. the forward and backward of two
+  stages (``failover_slowdown``); the pipelines all-reduce "at the end of each iteration" (§3.4),
+  so the whole step waits for it.
+* Failover: a lost node whose predecessor (its shadow) is alive costs every pipeline a recovery
+  pause: "each node participating in all-reduce ... if another pipeline has a failure, waits
   until the failure is handled" (§3.5).
 * Reconfiguration (§3.7), "a much longer pause ... than recovering using RC". Triggered
   "immediately when (1) consecutive preemptions occur" in a pipeline (one replica cannot cover
   two consecutive stages, §3.5.1), and at a step boundary when the standby queue can fill every
   failed-over stage ("if we have had F failures and J (> F) nodes are waiting to join the
-  cluster (i.e., new allocations arrive as Bamboo runs on the 'spare tire'), we can fully
-  recover all pipelines to depth P"; this covers trigger "(b) ... close to a critical failure",
-  which in this model arises only with one pipeline left) or when "(a) the cluster has gained
-  enough new nodes to reconstruct a new pipeline". A reconfiguration re-forms min(D, nodes // P)
-  full pipelines of depth P ("our top priority ... is to reestablish a full pipeline of depth
-  P"; "instead of creating asymmetric pipelines ... we move some nodes into the standby queue
-  and decrease the total number of data-parallel pipelines"), stages ordered round-robin over
-  zones (§3.5.1: "consecutive nodes come from different zones"). Layers lost in one pipeline
-  are copied from another (§3.7: nodes "send or receive model and optimizer state from other
-  nodes").
+  cluster ... we can fully recover all pipelines to depth P"; this covers trigger "(b) ... close
+  to a critical failure", which here arises only with one pipeline left) or when "(a) the
+  cluster has gained enough new nodes to reconstruct a new pipeline". It re-forms
+  min(D, nodes // P) full pipelines of depth P ("instead of creating asymmetric pipelines ... we
+  move some nodes into the standby queue and decrease the total number of data-parallel
+  pipelines"), stages ordered round-robin over zones (§3.5.1: "consecutive nodes come from
+  different zones"). Layers lost in one pipeline are copied from another (§3.7: nodes "send or
+  receive model and optimizer state from other nodes").
 * Fatal failure: some stage's layers have no live copy in any pipeline (two consecutive losses
   with one pipeline left, or the same stage lost in every pipeline). Training restarts from the
-  last asynchronous checkpoint (§3.7: "These checkpoints will not be used unless Bamboo
-  restarts the training from a rare fatal failure"), losing the work since it and paying a
-  restart. With fewer than P nodes no pipeline can run: training is suspended (nodes still
-  billed) after a checkpoint and resumes when nodes return.
-* Checkpoint/restart: D pipelines of the on-demand depth on spot nodes (§3.6.3: Varuna runs "a
-  D x P pipeline (i.e., the same as on-demand instances) because Varuna does not use
-  redundancies"); a preemption of a working node stops everyone, rolls back to the last
-  checkpoint and pays a restart (§3.6.3: a checkpointing-based approach "would need to restart
-  the pipeline for every one of the 709.83 preemptions").
+  last checkpoint (§3.7: "These checkpoints will not be used unless Bamboo restarts the training
+  from a rare fatal failure"), losing the work since it and paying a restart. With fewer than P
+  nodes no pipeline can run: training is suspended (nodes still billed) after a checkpoint and
+  resumes when nodes return.
+* Checkpoint/restart: D pipelines of the on-demand depth on spot nodes (§3.6.3: "a D x P
+  pipeline (i.e., the same as on-demand instances)"); a preemption of a working node stops
+  everyone, rolls back to the last checkpoint and pays a restart.
 * On-demand: D pipelines of the on-demand depth at the on-demand price, never preempted.
 
-Useful share = hours of training whose work was kept / wall hours (§3.6.3: checkpoint/restart
-"spent only 23% on actual training, while Bamboo increases this percentage to 84%").
-
-Pause lengths are inputs; the thesis prints none (Figure 3.13 gives recovery pauses relative to
-an iteration). ``recovery_seconds`` (20 s, a few BERT iterations) and ``restart_seconds``
-(600 s) are assumptions. ``reconfig_seconds`` = 42 s is calibrated on the thesis' one real-run
-figure: reconfiguration "take[s] an average of 7% of the total training time" (§3.6.1) over its
-10%, 16% and 33% hourly-rate traces - with 42 s, the mean share over p = 0.10, 0.16, 0.33 is 7%
-here. How flat value stays depends mostly on this cost: pauses grow with the event rate (see
-docs/pipeline.md for the sensitivity).
+Useful share = hours of training whose work was kept / wall hours (§3.6.3 compares the two spot
+strategies by it). The pause lengths are inputs the thesis does not print; value depends on them
+most, because pauses grow with the event rate. ``benchmarks/simulator_sensitivity.py`` varies
+them, and ``benchmarks/pipeline_simulator_vs_thesis.py`` sets the defaults beside the thesis'
+Table 3.3.
 
 Example:
     >>> s = SimulationSettings(runs=20, work_hours=2.0)
@@ -111,18 +79,6 @@ from pathlib import Path
 
 from stalwart.errors import ConfigurationError
 
-#: Thesis Table 3.3 (BERT-large, D=4, P=12, 1,000 runs per probability): p -> (preemptions,
-#: interval hours, fatal failures, nodes, throughput samples/s, cost $/h, value).
-THESIS_TABLE_3_3 = {
-    0.01: (8.50, 2.08, 0.06, 45.18, 87.99, 41.11, 2.10),
-    0.05: (48.15, 0.44, 0.23, 43.65, 76.35, 39.73, 1.90),
-    0.10: (99.77, 0.23, 0.29, 41.69, 72.12, 37.94, 1.88),
-    0.25: (276.52, 0.10, 1.04, 35.80, 60.12, 32.58, 1.82),
-    0.50: (709.83, 0.06, 5.98, 26.96, 40.37, 24.53, 1.59),
-}
-#: Table 3.3's on-demand value ("which is 1.1").
-THESIS_ON_DEMAND_VALUE = 1.10
-
 #: Table 3.5 of the thesis (BERT): per-iteration overhead of eager-FRC-lazy-BRC (Bamboo) and of
 #: eager-FRC-eager-BRC (every node runs its successor's forward and backward too).
 EAGER_FRC_OVERHEAD = 0.1977
@@ -139,19 +95,25 @@ class SimulationSettings:
         num_stages: Bamboo pipeline depth P.
         demand_stages: on-demand (and checkpoint/restart) pipeline depth.
         num_pipelines: D.
-        num_microbatches: micro-batches per pipeline per step when all D pipelines run (M).
+        num_microbatches: micro-batches per pipeline per step when all D pipelines run (M);
+            20 gives the ratios of the BERT step times for 1, 2 and 3 pipelines that the
+            thesis authors' simulator takes as input (5.7 / 3.1 / 2.3 s).
         pipeline_throughput: samples/s of one healthy on-demand pipeline.
         rc_overhead: per-step slowdown of redundant computation (eager FRC, Table 3.5).
-        failover_slowdown: step-time factor while a shadow runs two stages (Table 3.5).
+        failover_slowdown: step-time factor while a shadow runs two stages: eager-FRC-eager-BRC
+            over eager-FRC-lazy-BRC (Table 3.5), since the shadow does the victim's forward and
+            backward as well as its own.
         recovery_seconds: pause of a failover (shadow takes over, lazy BRC of one step); an
-            assumption.
-        reconfig_seconds: pause of a reconfiguration (re-form pipelines, move layers);
-            calibrated on the thesis' 7% (see the module docstring).
+            assumption of a few BERT iterations.
+        reconfig_seconds: pause of a reconfiguration (re-form pipelines, move layers); 42 s
+            makes reconfiguration take 7% of the time over p = 0.10-0.33, the share the thesis
+            reports for its real runs on traces of those rates (§3.6.1).
         restart_seconds: restart the job and load the checkpoint (checkpoint/restart, and
             Bamboo after a fatal failure).
         checkpoint_minutes: checkpoint interval (both spot strategies).
         zones: availability zones; a preemption event hits one zone.
-        bulk_mean: mean number of nodes one preemption event takes.
+        bulk_mean: mean number of nodes one preemption event takes; 1 because in Table 3.3
+            the interval between events times their number equals the run length.
         allocation_max: each hour draws an allocation probability in [0, allocation_max] that
             a missing node is granted within the hour.
         spot_price / demand_price: $ per node-hour.
@@ -289,6 +251,9 @@ class TraceMarket:
         return max(t, now), "add" if kind == "add" else "remove-node", (node, zone)
 
 
+Market = MarketProcess | TraceMarket
+
+
 class _Cluster:
     """Nodes of one run: ``zone[node]``; add one, remove a bulk from one zone."""
 
@@ -413,7 +378,9 @@ class _Bamboo:
     consecutive stages are holes.
     """
 
-    def __init__(self, market, s: SimulationSettings, rng: random.Random, target: float):
+    def __init__(
+        self, market: Market, s: SimulationSettings, rng: random.Random, target: float
+    ) -> None:
         self.market, self.s = market, s
         self.P, self.D = s.num_stages, s.num_pipelines
         self.cluster = _Cluster(rng, s.zones)
@@ -519,11 +486,15 @@ def _throughput(s: SimulationSettings, depth: int, pipelines: int, per_pipeline:
     return D * per_pipeline * (M + depth - 1) / (M * D / pipelines + depth - 1)
 
 
-def _simulate_bamboo(market, s: SimulationSettings, rng: random.Random, target: float) -> dict:
+def _simulate_bamboo(
+    market: Market, s: SimulationSettings, rng: random.Random, target: float
+) -> dict:
     return _Bamboo(market, s, rng, target).simulate()
 
 
-def _simulate_checkpoint(market, s: SimulationSettings, rng: random.Random, target: float) -> dict:
+def _simulate_checkpoint(
+    market: Market, s: SimulationSettings, rng: random.Random, target: float
+) -> dict:
     P, D = s.demand_stages, s.num_pipelines
     cluster = _Cluster(rng, s.zones)
     run = _Run(s, target)

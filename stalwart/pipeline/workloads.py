@@ -27,7 +27,7 @@ from torch import nn
 from stalwart.errors import ConfigurationError
 
 
-class Workload:
+class PipelineWorkload:
     """Interface: ``layers()`` (fresh, seeded by the caller), ``microbatch()``, ``loss()``."""
 
     def layers(self) -> list[nn.Module]:
@@ -64,7 +64,7 @@ def _digits() -> np.ndarray:
     return np.loadtxt(path, delimiter=",")
 
 
-class DigitsMLP(Workload):
+class DigitsMLP(PipelineWorkload):
     """scikit-learn's bundled 8x8 digits (1,797 images), an MLP of ``depth`` hidden layers.
 
     Args:
@@ -128,7 +128,7 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
-class CharLM(Workload):
+class CharLM(PipelineWorkload):
     """A small character transformer LM on the Python standard library's own source text.
 
     Args:
@@ -171,10 +171,10 @@ class CharLM(Workload):
 
 # Workloads handed over in memory (e.g. a LightningModule's layers and data): forked workers
 # inherit this table, so the object needs no import path and is never pickled.
-IN_MEMORY: dict[str, Workload] = {}
+IN_MEMORY: dict[str, PipelineWorkload] = {}
 
 
-def load_workload(spec: str, kwargs: dict | None = None) -> Workload:
+def load_workload(spec: str, kwargs: dict | None = None) -> PipelineWorkload:
     """``package.module:Class`` + kwargs -> a workload instance (or an ``IN_MEMORY`` name)."""
     if spec in IN_MEMORY:
         return IN_MEMORY[spec]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,11 @@ class ShrinkCheckpointIO(CheckpointIO):
         delegate: the IO that plain (non-shrunken) checkpoints are read with and, when set, the
             one that saves without a :class:`ShrinkRequest` go to.
 
+    A save is searched under ``tau`` when it comes with a :class:`ShrinkRequest`: passed as
+    ``trainer.save_checkpoint(path, storage_options=request)``, or built by the function given
+    to :meth:`requesting` for the saves made while it is active (how ``ShrinkCheckpoint`` brings
+    one to the saves ``ModelCheckpoint`` makes).
+
     Example::
 
         trainer = Trainer(plugins=[ShrinkCheckpointIO()], callbacks=[ModelCheckpoint(...)])
@@ -61,6 +68,7 @@ class ShrinkCheckpointIO(CheckpointIO):
     ) -> None:
         self.writer = ChainWriter(tau, config, keyframe_every, compress_optimizer, coder)
         self.delegate = delegate
+        self._request: Callable[[], ShrinkRequest] | None = None
 
     @property
     def chain(self) -> ChainState | None:
@@ -70,13 +78,28 @@ class ShrinkCheckpointIO(CheckpointIO):
     def reports(self) -> list[ShrinkReport]:
         return self.writer.reports
 
+    @contextlib.contextmanager
+    def requesting(self, request: Callable[[], ShrinkRequest]) -> Iterator[None]:
+        """Saves made inside this block without a request of their own use ``request()``.
+
+        The request is built only when a save happens (it captures the gradient window and the
+        held-out batches at that moment).
+        """
+        previous, self._request = self._request, request
+        try:
+            yield
+        finally:
+            self._request = previous
+
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None
     ) -> None:
-        if not isinstance(storage_options, ShrinkRequest) and self.delegate is not None:
+        request = storage_options if isinstance(storage_options, ShrinkRequest) else None
+        if request is None and self._request is not None:
+            request = self._request()
+        if request is None and self.delegate is not None:
             self.delegate.save_checkpoint(checkpoint, path, storage_options)
             return
-        request = storage_options if isinstance(storage_options, ShrinkRequest) else None
         weights = checkpoint["state_dict"]
         extra = {key: value for key, value in checkpoint.items() if key != "state_dict"}
         self.writer.save(weights, extra, path, request)

@@ -4,7 +4,7 @@ Data-parallel training with a parameter server in five modes -- checkpointing (s
 replication (sync/async) and the stateless PS whose weights and gradient queues live in an
 external store -- with real processes, a SIGKILL failure injector and the paper's experiment.
 Framework-neutral: plain torch and the standard library (no Lightning import here); what is
-trained is a :class:`Workload` (the Lightning adapter is :mod:`stalwart.loops.parameter_server`).
+trained is a :class:`PSWorkload` (the Lightning adapter is :mod:`stalwart.loops.parameter_server`).
 
 Example:
     >>> from stalwart.ps import KillEvent, PSConfig, run_training
@@ -15,9 +15,10 @@ Example:
 """
 
 from stalwart.ps.config import MODES, KillEvent, PSConfig
-from stalwart.ps.runner import RunResult, run_training
+from stalwart.ps.result import PSRunResult
+from stalwart.ps.runner import run_training
 from stalwart.ps.store import KeyValueStore, RetryingStore, TCPStoreClient
-from stalwart.ps.workload import DigitsWorkload, Workload
+from stalwart.ps.workload import DigitsWorkload, PSWorkload
 
 __all__ = [
     "MODES",
@@ -25,9 +26,9 @@ __all__ = [
     "KeyValueStore",
     "KillEvent",
     "PSConfig",
+    "PSRunResult",
+    "PSWorkload",
     "RetryingStore",
-    "RunResult",
     "TCPStoreClient",
-    "Workload",
     "run_training",
 ]

@@ -13,7 +13,7 @@ address in the store, and the current tail connects to it.
 
 from __future__ import annotations
 
-import sys
+import logging
 import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
@@ -24,6 +24,8 @@ from stalwart.ps.server import ParameterServer
 from stalwart.ps.store import KeyValueStore
 
 AUTHKEY = b"stalwart-ps-chain"
+
+log = logging.getLogger(__name__)
 
 
 class Successor:
@@ -154,7 +156,7 @@ class Replica:
             detected = self._follow()
             if self.store.get(layout.STOP) is not None:
                 return  # the run is over and the head exited: nothing to take over
-            print(f"replica {self.index}: upstream gone, taking over from memory", file=sys.stderr)
+            log.warning("replica %d: upstream gone, taking over from memory", self.index)
             blob = server.recover(
                 "memory", snapshot=self.snapshot, detected_at=detected, index=self.index
             )

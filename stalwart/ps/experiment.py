@@ -16,14 +16,17 @@ same wall-clock time; modes run interleaved, so a change in the machine's load h
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import statistics
 import time
 
+from stalwart import durable
 from stalwart.errors import ConfigurationError, RunDirectoryError, StalwartError
 from stalwart.ps.config import MODES, KillEvent, PSConfig
-from stalwart.ps.runner import RunResult, run_training
+from stalwart.ps.result import PSRunResult
+from stalwart.ps.runner import run_training
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,7 +106,7 @@ def run(args: argparse.Namespace) -> None:
                 )  # fmt: skip
                 config.validate()  # every bad option fails before the first run starts
                 configs.append(config)
-    results: list[RunResult] = []
+    results: list[PSRunResult] = []
     failures: list[str] = []
     started = time.time()
     for n, config in enumerate(configs, 1):
@@ -120,18 +123,19 @@ def run(args: argparse.Namespace) -> None:
     summary = format_ratios(ratios, args.target)
     print(table)
     print(summary)
-    with open(os.path.join(out, "table.md"), "w") as handle:
-        handle.write(table + "\n\n" + summary + "\n")
-    with open(os.path.join(out, "results.json"), "w") as handle:
-        json.dump({"runs": [_to_json(r, args.target) for r in results], "ratios": ratios},
-                  handle, indent=1)  # fmt: skip
+    os.makedirs(out, exist_ok=True)  # the runs made it, unless none was asked for
+    durable.write_text(os.path.join(out, "table.md"), table + "\n\n" + summary + "\n")
+    runs = [_to_json(r, args.target) for r in results]
+    durable.write_text(
+        os.path.join(out, "results.json"), json.dumps({"runs": runs, "ratios": ratios}, indent=1)
+    )
     if results:
         print(f"wrote {plot(results, os.path.join(out, 'accuracy.png'), args.target)}")
     if failures:
         raise StalwartError(f"{len(failures)} run(s) failed:\n" + "\n".join(failures))
 
 
-def time_to_target_ratios(results: list[RunResult], target: float) -> dict:
+def time_to_target_ratios(results: list[PSRunResult], target: float) -> dict:
     """Median time to ``target`` per (mode, kills), the ratios of :data:`PAIRS` and each mode's
     delay caused by the kills (time with k kills minus time without), medians over seeds.
 
@@ -204,14 +208,14 @@ def format_ratios(ratios: dict, target: float) -> str:
     return "\n".join(lines)
 
 
-def _to_json(result: RunResult, target: float) -> dict:
+def _to_json(result: PSRunResult, target: float) -> dict:
     return {
         **result.summary(), "kills_at": result.kills, "recoveries": result.recoveries,
         "timeline": result.timeline, f"time_to_{target}": result.time_to_accuracy(target),
     }  # fmt: skip
 
 
-def format_table(results: list[RunResult], target: float) -> str:
+def format_table(results: list[PSRunResult], target: float) -> str:
     """A markdown table, one row per run."""
     header = (
         "| mode | kills | seed | produced | applied | lost | produced while down "
@@ -236,7 +240,7 @@ def format_table(results: list[RunResult], target: float) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[RunResult], path: str, target: float) -> str:
+def plot(results: list[PSRunResult], path: str, target: float) -> str:
     """Accuracy vs wall-clock time, one panel per kill count (the first seed), kills marked;
     the PNG's path."""
     import matplotlib
@@ -270,8 +274,8 @@ def plot(results: list[RunResult], path: str, target: float) -> str:
         ax.set_ylim(0, 1)
         ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
+    durable.write_atomic(path, image.getvalue())
     return path

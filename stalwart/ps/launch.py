@@ -1,58 +1,37 @@
-"""Start each role (store, PS, replica, worker) as a real OS process (via ``boot.py``).
+"""The entry point of every PS child process: ``python -m stalwart.ps.launch ROLE ARG...``.
 
-Separate processes (not threads) so the failure injector's SIGKILL is a real crash: memory gone,
-sockets closed by the kernel, nothing flushed.
+Roles: ``store`` (hosts the embedded TCPStore; ARG is the port file), and ``ps``, ``replica``,
+``worker`` and ``spare`` (ARG is the run's ``config.json``, then the role's own arguments). The
+runner starts them with :func:`stalwart.ps.processes.spawn`. Importing this module imports
+torch and the PS core only, never Lightning, so a (re)started process is ready quickly.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import subprocess
 import sys
+import time
 
 from stalwart.ps import layout
 from stalwart.ps.config import PSConfig
-from stalwart.ps.store import KeyValueStore, RetryingStore, TCPStoreClient, parse_address
-
-BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot.py")
-
-
-def client_factory(address: str):
-    """A function that opens a fresh client of the store at ``address``."""
-    if address.startswith("redis://"):
-        from stalwart.ps.redis_store import RedisStore
-
-        return lambda: RedisStore(address)
-    host, port = parse_address(address)
-    return lambda: TCPStoreClient(host, port)
+from stalwart.ps.processes import PARENT_ENV, SYS_PATH_ENV
+from stalwart.ps.store import KeyValueStore, RetryingStore, connect
 
 
-def connect(config: PSConfig, name: str) -> RetryingStore:
-    """A retrying client of the run's store."""
-    assert config.store_address is not None
-    return RetryingStore(
-        client_factory(config.store_address), patience=config.store_patience, name=name,
-        address=config.store_address,
-    )  # fmt: skip
+def inherit_sys_path() -> None:
+    """Append the parent's import paths that this interpreter lacks.
+
+    Appended, after the interpreter's own paths, so nothing of the standard library is shadowed.
+    """
+    inherited = json.loads(os.environ.get(SYS_PATH_ENV, "[]"))
+    sys.path += [entry for entry in inherited if entry not in sys.path]
 
 
-def spawn(role: str, config_path: str, *args: str, log_path: str) -> subprocess.Popen:
-    """Start ``role`` in a new process whose output goes to ``log_path``."""
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-        STALWART_PS_PARENT=str(os.getpid()),
-        # The workload may be a user's class: the child must import what the parent can.
-        STALWART_PS_SYS_PATH=json.dumps(sys.path),
-    )  # fmt: skip
-    log = open(log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
-    try:
-        return subprocess.Popen(
-            [sys.executable, BOOT, role, config_path, *args],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )  # fmt: skip
-    finally:
-        log.close()
+def _connect(config: PSConfig, name: str) -> RetryingStore:
+    assert config.store_address is not None, "the runner sets the address before any child starts"
+    return connect(config.store_address, config.store_patience, name)
 
 
 def _wait_for_role(store: KeyValueStore, spare: str) -> tuple[str, list[str]]:
@@ -61,8 +40,6 @@ def _wait_for_role(store: KeyValueStore, spare: str) -> tuple[str, list[str]]:
     The runner keeps spares ready so that a restart after the downtime costs what restarting a
     process on a machine with a warm worker pool costs, not an ``import torch`` on a busy host.
     """
-    import time
-
     from stalwart.ps import chain, server  # noqa: F401 - imported now, used after the assignment
 
     store.set(layout.spare_ready(spare), b"1")
@@ -85,29 +62,18 @@ def _die_with_parent() -> None:
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
-    if str(os.getppid()) != os.environ.get("STALWART_PS_PARENT"):
+    if str(os.getppid()) != os.environ.get(PARENT_ENV):
         os._exit(1)  # the runner died before the request took effect
 
 
-def _main(argv: list[str]) -> int:
-    _die_with_parent()
-    role, config_path, *args = argv
-    if role == "store":
-        from stalwart.ps.store import serve_tcpstore
-
-        serve_tcpstore(port_file=config_path)
-        return 0
-    import torch
-
-    torch.set_num_threads(1)
-    with open(config_path) as handle:
-        config = PSConfig.from_json(handle.read())
+def _serve_role(role: str, config: PSConfig, args: list[str]) -> int:
+    """Run ``ps``, ``replica``, ``worker`` or ``spare`` (which becomes one of the first two)."""
     if role == "worker":
         from stalwart.ps import worker
 
         index = int(args[0])
-        return worker.main(config, connect(config, f"worker {index}"), index)
-    store: KeyValueStore = connect(config, role)
+        return worker.main(config, _connect(config, f"worker {index}"), index)
+    store: KeyValueStore = _connect(config, role)
     if role == "spare":
         role, args = _wait_for_role(store, args[0])
     if role == "ps":
@@ -126,9 +92,28 @@ def _main(argv: list[str]) -> int:
     raise SystemExit(f"unknown role {role}")
 
 
-def run_role(argv: list[str]) -> None:
-    """Run one role and leave at once."""
-    code = _main(argv)
+def main(argv: list[str]) -> int:
+    """Run the role ``argv`` names; the process's exit code."""
+    _die_with_parent()
+    # The child's stderr is its log file in the run directory.
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    role, path, *args = argv
+    if role == "store":
+        from stalwart import store_host
+
+        store_host.serve(port=0, host="127.0.0.1", port_file=path)
+        return 0
+    inherit_sys_path()
+    import torch
+
+    torch.set_num_threads(1)
+    with open(path) as handle:
+        config = PSConfig.from_json(handle.read())
+    return _serve_role(role, config, args)
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown (seconds with torch loaded on a busy host): all state is stored.

@@ -32,6 +32,18 @@ INIT = "init"
 INITIAL = "0/0"
 
 
+def ref(epoch: int, version: int) -> str:
+    """The ref ``E/V`` of version ``version`` committed by PS incarnation ``epoch``: the suffix
+    of its ``state/`` and ``log/`` keys."""
+    return f"{epoch}/{version}"
+
+
+def parse_ref(ref: str) -> tuple[int, int]:
+    """``"E/V"`` -> ``(epoch, version)``."""
+    epoch, version = ref.split("/")
+    return int(epoch), int(version)
+
+
 def state(key: str) -> str:
     return f"state/{key}"
 

@@ -49,7 +49,7 @@ def walk(store: KeyValueStore, ref: str) -> list[Record]:
     while ref != layout.INIT:
         raw = store.get(layout.log(ref))
         if raw is None:
-            raise LookupError(f"audit record log/{ref} is missing from the store")
+            raise LookupError(f"audit record {layout.log(ref)} is missing from the store")
         data = json.loads(raw)
         records.append(
             Record(ref, [tuple(i) for i in data["ids"]], data["lr"], data["scale"],
@@ -60,10 +60,12 @@ def walk(store: KeyValueStore, ref: str) -> list[Record]:
 
 
 def state_weights(store: KeyValueStore, key: str) -> torch.Tensor:
-    """The weights committed as ``state/key`` (kept by audited runs)."""
+    """The weights committed under ``key`` (all of them are kept by audited runs)."""
     blob = store.get(layout.state(key))
     if blob is None:
-        raise LookupError(f"state/{key} is not in the store (only audited runs keep every state)")
+        raise LookupError(
+            f"{layout.state(key)} is not in the store (only audited runs keep every state)"
+        )
     return unpack(blob)[1]
 
 

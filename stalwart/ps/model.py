@@ -1,7 +1,7 @@
-"""The paper's small CNN on scikit-learn digits (ships offline), and flat-vector weight helpers.
+"""The paper's small CNN on scikit-learn digits (ships offline), the default workload's model.
 
-The parameter server moves weights and gradients as one flat float32 vector, so a model is any
-``nn.Module`` plus :func:`flatten` / :func:`unflatten_into` (see :mod:`stalwart.ps.workload`).
+The parameter server moves weights and gradients as one flat float32 vector (:mod:`stalwart.flat`),
+so a model is any ``nn.Module`` (see :mod:`stalwart.ps.workload`).
 """
 
 from __future__ import annotations
@@ -45,23 +45,3 @@ def load_digits_split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     x, y = x[order], y[order]
     return x[:1437], y[:1437], x[1437:], y[1437:]
-
-
-def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate tensors into one flat float32 vector (a copy)."""
-    return torch.cat([t.detach().reshape(-1) for t in tensors]).to(torch.float32)
-
-
-def unflatten_into(model: nn.Module, vector: torch.Tensor) -> None:
-    """Copy a flat vector into the model's parameters (in place: nothing aliases ``vector``)."""
-    if vector.numel() != sum(p.numel() for p in model.parameters()):
-        raise ValueError(
-            f"{vector.numel()} weights do not fit a model with "
-            f"{sum(p.numel() for p in model.parameters())} parameters"
-        )
-    with torch.no_grad():
-        offset = 0
-        for parameter in model.parameters():
-            size = parameter.numel()
-            parameter.copy_(vector[offset : offset + size].view_as(parameter))
-            offset += size

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 
-from stalwart.errors import CorruptCheckpointError, StalwartError
+from stalwart import durable
+from stalwart.errors import CorruptCheckpointError, SplitBrainError, StalwartError
 from stalwart.ps import layout
 from stalwart.ps.config import PSConfig
 from stalwart.ps.store import KeyValueStore
@@ -36,8 +36,24 @@ FETCH_CHUNK = 64
 CHECKPOINT_FILE = "checkpoint.pt"
 
 
-class SplitBrainError(StalwartError):
-    """Another PS moved the head: two servers believe they are in charge."""
+def save_checkpoint(path: str, version: int, ref: str, weights: torch.Tensor) -> None:
+    """Write the PS checkpoint atomically and sealed: a crash mid-write leaves the previous one."""
+    durable.save_torch({"version": version, "log": ref, "weights": weights}, path)
+
+
+def load_checkpoint(path: str) -> tuple[int, str, torch.Tensor]:
+    """The ``(version, log ref, weights)`` of the PS checkpoint at ``path``.
+
+    Raises:
+        CorruptCheckpointError: the file is torn, truncated or unreadable.
+    """
+    try:
+        saved = durable.load_torch(path)
+        return int(saved["version"]), str(saved["log"]), saved["weights"]
+    except (CorruptCheckpointError, KeyError, TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(
+            f"{path} cannot be read ({exc}); delete it to restart from the initial weights."
+        ) from exc
 
 
 class ParameterServer:
@@ -137,20 +153,12 @@ class ParameterServer:
         if not os.path.exists(path):
             # Killed before the first checkpoint: start over from the run's initial weights.
             return 0, layout.INIT, unpack(self.store.get(layout.state(layout.INITIAL)))[1]
-        try:
-            saved = torch.load(path, weights_only=True)
-            return int(saved["version"]), str(saved["log"]), saved["weights"]
-        except Exception as exc:
-            raise CorruptCheckpointError(
-                f"{path} cannot be read ({exc}); delete it to restart from the initial weights."
-            ) from exc
+        return load_checkpoint(path)
 
     def _save_checkpoint(self) -> None:
-        # torch.save names the archive after the file's stem, so the temp name must have one.
-        fd, tmp = tempfile.mkstemp(dir=self.config.run_dir, prefix="checkpoint-", suffix=".tmp")
-        os.close(fd)
-        torch.save({"version": self.version, "log": self.ref, "weights": self.weights}, tmp)
-        os.replace(tmp, os.path.join(self.config.run_dir, CHECKPOINT_FILE))
+        save_checkpoint(
+            os.path.join(self.config.run_dir, CHECKPOINT_FILE), self.version, self.ref, self.weights
+        )
         self.store.set(layout.CHECKPOINTED, self.ref.encode())
 
     # -- committing ----------------------------------------------------------------------------
@@ -159,7 +167,7 @@ class ParameterServer:
         return [int(v) for v in self.store.get_many(keys)]
 
     def _commit(self, log_record: dict | None) -> bytes:
-        key = f"{self.epoch}/{self.version}"
+        key = layout.ref(self.epoch, self.version)
         if log_record is not None:
             self.store.set(layout.log(key), json.dumps(log_record).encode())
             self.ref = key
@@ -227,7 +235,7 @@ class ParameterServer:
             return header["base"] == self.head_key
         # Async stateful: a gradient computed on a previous incarnation's weights was sent to a
         # server that is gone.
-        return header["base"].split("/")[0] == str(self.epoch)
+        return layout.parse_ref(header["base"])[0] == self.epoch
 
     def _forget(self, keys: list[str]) -> None:
         if not self.config.keep_gradients:

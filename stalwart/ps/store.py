@@ -1,27 +1,26 @@
 """The external key-value store that outlives the parameter server.
 
 Everything the processes share goes through a :class:`KeyValueStore`: the published weights, the
-worker gradient queues and the audit log. The embedded default is a c10d ``TCPStore`` served by a
-process of its own (:func:`serve_tcpstore`), so killing the PS never takes the store with it. A real
-server (Redis) drops in through :class:`stalwart.ps.redis_store.RedisStore`.
+worker gradient queues and the audit log. The embedded default is a c10d ``TCPStore`` hosted by a
+process of its own (:mod:`stalwart.store_host`), so killing the PS never takes the store with it.
+A real server (Redis) drops in through :class:`stalwart.ps.redis_store.RedisStore`.
 
 :class:`RetryingStore` wraps any store so that a store that vanishes mid-run makes its callers
-retry with exponential backoff (and say so) instead of failing at the first broken socket; after
+retry with exponential backoff (and log it) instead of failing at the first broken socket; after
 ``patience`` seconds without an answer it raises :class:`StoreUnavailableError`.
 """
 
 from __future__ import annotations
 
 import abc
-import os
-import signal
-import sys
-import tempfile
+import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
 
 from stalwart.errors import ConfigurationError, StoreUnavailableError
+
+log = logging.getLogger(__name__)
 
 
 class KeyValueStore(abc.ABC):
@@ -64,7 +63,7 @@ class KeyValueStore(abc.ABC):
 
 
 class TCPStoreClient(KeyValueStore):
-    """A client of a c10d ``TCPStore`` served elsewhere (by :func:`serve_tcpstore`).
+    """A client of a c10d ``TCPStore`` hosted elsewhere (by :func:`stalwart.store_host.serve`).
 
     Args:
         host: the store server's host.
@@ -128,7 +127,7 @@ class RetryingStore(KeyValueStore):
     Args:
         connect: makes a fresh client (called again after every failure).
         patience: seconds of continuous failure before :class:`StoreUnavailableError` is raised.
-        name: who is calling, for the retry messages on stderr.
+        name: who is calling, for the retry messages (logged as warnings).
         first_delay: the first backoff delay; it doubles up to ``max_delay``.
 
     Example:
@@ -169,7 +168,7 @@ class RetryingStore(KeyValueStore):
                 result = op(self._client)
                 if started is not None:
                     self.outage_seconds += time.monotonic() - started
-                    print(f"{self.name}: store {self.address} answers again", file=sys.stderr)
+                    log.warning("%s: store %s answers again", self.name, self.address)
                 return result
             except StoreUnavailableError:
                 raise
@@ -188,11 +187,10 @@ class RetryingStore(KeyValueStore):
                         "patience."
                     ) from None
                 self.retries += 1
-                print(
-                    f"{self.name}: store {self.address} unreachable during {what}; "
-                    f"retry {self.retries} in {delay:.2f}s",
-                    file=sys.stderr,
-                )
+                log.warning(
+                    "%s: store %s unreachable during %s; retry %d in %.2fs",
+                    self.name, self.address, what, self.retries, delay,
+                )  # fmt: skip
                 time.sleep(delay)
                 delay = min(delay * 2, self.max_delay)
 
@@ -224,26 +222,17 @@ class RetryingStore(KeyValueStore):
             self._client = None
 
 
-def serve_tcpstore(port_file: str, port: int = 0) -> None:
-    """Run a TCPStore server in this process until killed; write its port to ``port_file``.
+def client_factory(address: str) -> Callable[[], KeyValueStore]:
+    """A function that opens a fresh client of the store at ``address`` (``host:port`` of a
+    TCPStore, or a ``redis://`` URL)."""
+    if address.startswith("redis://"):
+        from stalwart.ps.redis_store import RedisStore
 
-    The port is written atomically (temp + rename) so a reader never sees half a number.
-    """
-    from torch.distributed import TCPStore
+        return lambda: RedisStore(address)
+    host, port = parse_address(address)
+    return lambda: TCPStoreClient(host, port)
 
-    server = TCPStore(
-        "127.0.0.1",
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=30),
-        use_libuv=False,
-    )
-    directory = os.path.dirname(os.path.abspath(port_file))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".port-")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(str(server.port))
-    os.replace(tmp, port_file)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    while True:
-        signal.pause()
+
+def connect(address: str, patience: float, name: str) -> RetryingStore:
+    """A :class:`RetryingStore` client of the store at ``address``, called ``name`` in its logs."""
+    return RetryingStore(client_factory(address), patience=patience, name=name, address=address)

@@ -18,28 +18,33 @@ the seconds it spent waiting for the PS and how often it had to retry the store.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
-import tempfile
 import time
 
 import torch
 
+from stalwart import durable
 from stalwart.errors import StoreUnavailableError
+from stalwart.flat import flatten_grads, unflatten_into
 from stalwart.ps import layout
 from stalwart.ps.config import PSConfig
-from stalwart.ps.model import flatten, unflatten_into
 from stalwart.ps.store import RetryingStore
 from stalwart.ps.wire import pack, unpack
-from stalwart.ps.workload import Workload
+from stalwart.ps.workload import PSWorkload
+
+log = logging.getLogger(__name__)
 
 #: Seconds between polls of the head while waiting for the PS.
 POLL = 0.002
-#: The run's :class:`Workload`, pickled by the runner into the run directory.
+#: The exit code of a worker that gave up on an unreachable store.
+STORE_GAVE_UP = 3
+#: The run's :class:`PSWorkload`, pickled by the runner into the run directory.
 WORKLOAD_FILE = "workload.pkl"
 
 
-def load_workload(run_dir: str) -> Workload:
+def load_workload(run_dir: str) -> PSWorkload:
     """The workload the runner saved for this run."""
     import cloudpickle
 
@@ -47,15 +52,12 @@ def load_workload(run_dir: str) -> Workload:
         return cloudpickle.load(handle)
 
 
-def write_json(path: str, data: dict) -> None:
-    """Write ``data`` atomically (temp file + rename)."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(data, handle)
-    os.replace(tmp, path)
+def report_path(run_dir: str, worker: int) -> str:
+    """Where worker ``worker`` writes its report (JSON)."""
+    return os.path.join(run_dir, f"worker-{worker}.json")
 
 
-class Worker:
+class PSWorker:
     """Worker ``index`` of a run.
 
     Args:
@@ -64,7 +66,7 @@ class Worker:
         index: this worker's id, 0 <= index < config.workers.
 
     Example:
-        >>> Worker(config, store, 0).run()  # doctest: +SKIP
+        >>> PSWorker(config, store, 0).run()  # doctest: +SKIP
     """
 
     def __init__(self, config: PSConfig, store: RetryingStore, index: int) -> None:
@@ -100,7 +102,7 @@ class Worker:
             # A recovered PS re-published the weights we started from (a new key, no new update):
             # keep the local steps taken since, they are queued to be merged.
             return True
-        unflatten_into(self.model, weights)
+        unflatten_into(self.model.parameters(), weights)
         self.base_ref, self.local_steps = header["log"], 0
         return True
 
@@ -128,10 +130,9 @@ class Worker:
         self.model.train()
         self.model.zero_grad(set_to_none=True)
         self.workload.loss(self.model, next(self.batches)).backward()
-        # A parameter the loss does not reach has no gradient: it contributes zeros.
-        return flatten([
-            torch.zeros_like(p) if p.grad is None else p.grad for p in self.model.parameters()
-        ])  # fmt: skip
+        # A parameter the loss does not reach has no gradient: it contributes zeros. The wire
+        # carries float32 whatever the model's dtype.
+        return flatten_grads(self.model.parameters()).to(torch.float32)
 
     def run(self) -> None:
         """Compute ``config.steps`` gradients (or fewer if the run is stopped)."""
@@ -177,14 +178,15 @@ class Worker:
 
 
 def main(config: PSConfig, store: RetryingStore, index: int) -> int:
-    """Run worker ``index`` and write its report; exit code 3 if the store stayed unreachable."""
-    worker = Worker(config, store, index)
-    path = os.path.join(config.run_dir, f"worker-{index}.json")
+    """Run worker ``index`` and write its report; the exit code (:data:`STORE_GAVE_UP` if the
+    store stayed unreachable)."""
+    worker = PSWorker(config, store, index)
+    path = report_path(config.run_dir, index)
     try:
         worker.run()
     except StoreUnavailableError as exc:
-        write_json(path, worker.report(error=str(exc)))
-        print(f"worker {index}: giving up: {exc}", flush=True)
-        return 3
-    write_json(path, worker.report())
+        durable.write_json(path, worker.report(error=str(exc)))
+        log.error("worker %d: giving up: %s", index, exc)
+        return STORE_GAVE_UP
+    durable.write_json(path, worker.report())
     return 0

@@ -1,6 +1,6 @@
 """What the parameter server trains: the core's only view of a model and its data.
 
-A :class:`Workload` says how to build the model whose parameters the flat weight vector fills,
+A :class:`PSWorkload` says how to build the model whose parameters the flat weight vector fills,
 which batches a worker trains on, the loss of a batch, and (in the runner) how good a set of
 committed weights is. The runner pickles it (cloudpickle) into the run directory and every
 worker process loads it, so a workload carries its own data or knows how to load it.
@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from stalwart.ps.model import DigitsCNN, flatten, load_digits_split
+from stalwart.flat import flatten
+from stalwart.ps.model import DigitsCNN, load_digits_split
 
 
-class Workload(abc.ABC):
+class PSWorkload(abc.ABC):
     """The model and data of a parameter-server run.
 
     Example:
@@ -51,10 +52,10 @@ class Workload(abc.ABC):
     def initial_weights(self, seed: int) -> torch.Tensor:
         """The weights every run with ``seed`` starts from, as a flat float32 vector."""
         torch.manual_seed(seed)
-        return flatten(list(self.model().parameters()))
+        return flatten(self.model().parameters())
 
 
-class DigitsWorkload(Workload):
+class DigitsWorkload(PSWorkload):
     """The paper's CNN (:class:`~stalwart.ps.model.DigitsCNN`) on scikit-learn digits: 1437
     training images shuffled per worker, scored by accuracy on 360 held-out images.
 

@@ -207,6 +207,34 @@ def save(
         model.load_state_dict(stalwart.shrink.load("ckpt/1.shrunk"))
     """
     start = time.perf_counter()
+    _check_arguments(coder, small_tensors, tau, screen_accept, compress_optimizer)
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ConfigurationError(f"cannot write {path}: directory {path.parent} does not exist")
+    bad = [name for name, t in state_dict.items() if not isinstance(t, torch.Tensor)]
+    if bad:
+        raise ConfigurationError(f"state_dict values must be tensors; not: {bad[:5]}")
+    chain = _previous_state(previous)
+    if chain is not None:
+        _check_matches(state_dict, chain)
+    state_dict = {name: t.detach().cpu() for name, t in state_dict.items()}
+    analyses = _analyses(state_dict, gradients or {}, layer_types or {}, min_numel, chain)
+    weights = _quantize(
+        state_dict, analyses, small_tensors, chain, config, evaluate, screen, search, tau,
+        screen_accept,
+    )  # fmt: skip
+    moments = _moment_plan(
+        extra, compress_optimizer, continue_training, parameter_shapes, weights.restored, tau
+    )
+    return _write(
+        state_dict, weights, path, chain, extra, compress_optimizer == "lossy", coder,
+        min_numel, start, moments,
+    )  # fmt: skip
+
+
+def _check_arguments(
+    coder: str, small_tensors: str, tau: float, screen_accept: float, compress_optimizer: str
+) -> None:
     check_coder(coder)
     if small_tensors not in SMALL_TENSOR_MODES:
         raise ConfigurationError(
@@ -219,22 +247,19 @@ def save(
         raise ConfigurationError(
             f"compress_optimizer must be one of {OPTIMIZER_MODES}, got {compress_optimizer!r}"
         )
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise ConfigurationError(f"cannot write {path}: directory {path.parent} does not exist")
-    bad = [name for name, t in state_dict.items() if not isinstance(t, torch.Tensor)]
-    if bad:
-        raise ConfigurationError(f"state_dict values must be tensors; not: {bad[:5]}")
-    chain = _previous_state(previous)
-    if chain is not None:
-        _check_matches(state_dict, chain)
-    state_dict = {name: t.detach().cpu() for name, t in state_dict.items()}
-    gradients = gradients or {}
+
+
+def _analyses(
+    state_dict: dict[str, torch.Tensor],
+    gradients: Mapping[str, torch.Tensor],
+    layer_types: Mapping[str, str],
+    min_numel: int,
+    chain: ChainState | None,
+) -> dict[str, TensorAnalysis]:
+    """The tensors to quantize (floating, at least ``min_numel``), each with its statistics."""
     analyses = {
         name: TensorAnalysis(
-            tensor,
-            gradients.get(name),
-            (layer_types or {}).get(name) or guess_layer_type(name, tensor),
+            tensor, gradients.get(name), layer_types.get(name) or guess_layer_type(name, tensor)
         )
         for name, tensor in state_dict.items()
         if tensor.is_floating_point() and tensor.numel() >= min_numel
@@ -242,6 +267,39 @@ def save(
     if chain is not None:
         for name, analysis in analyses.items():
             analysis.previous_levels = chain.levels.get(name)
+    return analyses
+
+
+@dataclass
+class _Weights:
+    """How the weights are stored: what was quantized, rounded, and how that was chosen."""
+
+    quantized: dict[str, QuantizedTensor]
+    rounded: set[str]
+    restored: dict[str, torch.Tensor]
+    config: QuantConfig | None
+    analyses: dict[str, TensorAnalysis]
+    degradation: float | None = None
+    degradation_on: str | None = None
+    searched: str | None = None
+    search_seconds: float = 0.0
+    evaluations: int = 0
+    screenings: int = 0
+
+
+def _quantize(
+    state_dict: dict[str, torch.Tensor],
+    analyses: dict[str, TensorAnalysis],
+    small_tensors: str,
+    chain: ChainState | None,
+    config: QuantConfig | None,
+    evaluate: Callable[[Mapping[str, torch.Tensor]], float] | None,
+    screen: Callable[[Mapping[str, torch.Tensor]], float] | None,
+    search: ConfigSearch | None,
+    tau: float,
+    screen_accept: float,
+) -> _Weights:
+    """Quantize with ``config``, or the configuration a search finds within ``tau``."""
     rounded = {}
     if small_tensors == "bfloat16":
         rounded = {
@@ -249,39 +307,32 @@ def save(
             for name, tensor in state_dict.items()
             if name not in analyses and tensor.dtype == torch.float32
         }
-    degradation = degradation_on = searched = None
-    search_seconds = 0.0
-    evaluations = screenings = 0
-    if config is not None:
-        quantized = {name: a.quantize(config) for name, a in analyses.items()}
-    elif evaluate is not None:
+    found = {}
+    if config is None and evaluate is not None:
         search = search or ConfigSearch(tau, screen_accept=screen_accept)
         if chain is not None and search.previous is None and chain.config is not None:
             search.previous = chain.config
         outcome = search.run(analyses, state_dict, evaluate, screen, fixed=rounded)
-        config, quantized, degradation = outcome.config, outcome.quantized, outcome.degradation
+        config, quantized = outcome.config, outcome.quantized
+        found = {
+            "degradation": outcome.degradation,
+            "search_seconds": outcome.seconds,
+            "evaluations": outcome.evaluations,
+            "screenings": outcome.screenings,
+        }
         if config is not None:
-            degradation_on = "evaluate" if outcome.confirmed else "screen"
-            searched = "full" if outcome.exhaustive else "neighbourhood"
-        if config is None:
+            found["degradation_on"] = "evaluate" if outcome.confirmed else "screen"
+            found["searched"] = "full" if outcome.exhaustive else "neighbourhood"
+        else:
             rounded = {}  # nothing met tau: every tensor is stored exactly
-        search_seconds, evaluations = outcome.seconds, outcome.evaluations
-        screenings = outcome.screenings
     else:
-        config = DEFAULT_CONFIG
+        config = config if config is not None else DEFAULT_CONFIG
         quantized = {name: a.quantize(config) for name, a in analyses.items()}
     restored = {
         name: quantized[name].dequantize() if name in quantized else rounded.get(name, tensor)
         for name, tensor in state_dict.items()
     }
-    moments = _moment_plan(
-        extra, compress_optimizer, continue_training, parameter_shapes, restored, tau
-    )
-    return _write(
-        state_dict, quantized, set(rounded), path, chain, config, extra,
-        compress_optimizer == "lossy", coder, min_numel, analyses, degradation, degradation_on,
-        searched, start, search_seconds, evaluations, screenings, moments,
-    )  # fmt: skip
+    return _Weights(quantized, set(rounded), restored, config, analyses, **found)
 
 
 @dataclass
@@ -338,75 +389,152 @@ def _moment_plan(
 
 def _write(
     state_dict: dict[str, torch.Tensor],
-    quantized: dict[str, QuantizedTensor],
-    rounded: set[str],
+    weights: _Weights,
     path: Path,
     chain: ChainState | None,
-    config: QuantConfig | None,
     extra: Any,
     lossy_extra: bool,
     coder: str,
     min_numel: int,
-    analyses: dict[str, TensorAnalysis],
-    degradation: float | None,
-    degradation_on: str | None,
-    searched: str | None,
     start: float,
-    search_seconds: float,
-    evaluations: int,
-    screenings: int,
     moments: _MomentPlan,
 ) -> ShrinkReport:
     sections = SectionWriter()
     entries: dict[str, dict] = {}
     for name, tensor in state_dict.items():
-        if name in quantized:
+        if name in weights.quantized:
             previous = None if chain is None else chain.indices.get(name)
             entries[name] = quantized_entry(
-                quantized[name], previous, coder, sections, analyses[name].layer_type
-            )
-        elif name in rounded:
+                weights.quantized[name], previous, coder, sections,
+                weights.analyses[name].layer_type,
+            )  # fmt: skip
+        elif name in weights.rounded:
             entries[name] = bfloat16_entry(tensor, sections)
         else:
             entries[name] = lossless_entry(tensor, sections)
     weight_stored = entries_bytes(entries)
-    packed_extra = None
-    optimizer_stored = 0
-    if extra is not None:
-        packed_ids: list[int] = []
-        packed_extra = pack_object(
-            extra,
-            sections,
-            lossy=LOSSY_OPTIMIZER_CONFIG if lossy_extra else None,
-            min_numel=min_numel,
-            coder=coder,
-            forms=moments.forms,
-            ids=packed_ids,
-        )
-        optimizer_stored = entries_bytes(
-            {
-                index: entry
-                for index, entry in enumerate(packed_extra["tensors"])
-                if packed_ids[index] in moments.tensor_ids
-            }
-        )
+    packed_extra, optimizer_stored = _pack_extra(
+        extra, sections, lossy_extra, min_numel, coder, moments
+    )
+    header = _header(
+        state_dict, weights, path, chain, extra, coder, entries, packed_extra, moments,
+        optimizer_stored,
+    )  # fmt: skip
+    size, crc = sections.write(path, header, header["format"])
+    # Header and framing are charged to the weights: the header is mostly their tensor table.
+    extra_stored = sections.size - weight_stored
+    new_chain = ChainState(
+        path=path,
+        crc32=crc,
+        position=header["chain_position"],
+        since_keyframe=header["chain_position"],
+        shapes={name: tuple(t.shape) for name, t in state_dict.items()},
+        indices={name: (q.indices, q.alphabet) for name, q in weights.quantized.items()},
+        config=weights.config,
+        levels={name: q.levels for name, q in weights.quantized.items()},
+        optimizer_signature=moments.signature,
+    )
+    return _report(
+        path, header, weights, chain, new_chain, size, size - extra_stored, start, moments,
+        optimizer_stored,
+    )  # fmt: skip
+
+
+def _report(
+    path: Path,
+    header: dict,
+    weights: _Weights,
+    chain: ChainState | None,
+    new_chain: ChainState,
+    size: int,
+    weight_stored: int,
+    start: float,
+    moments: _MomentPlan,
+    optimizer_stored: int,
+) -> ShrinkReport:
+    return ShrinkReport(
+        path=str(path),
+        kind=header["kind"],
+        base=None if chain is None else str(chain.path),
+        chain_position=header["chain_position"],
+        config=weights.config,
+        degradation=weights.degradation,
+        degradation_on=weights.degradation_on,
+        search=weights.searched,
+        weight_bytes=header["weight_bytes"],
+        weight_stored=weight_stored,
+        total_bytes=header["weight_bytes"] + header["extra_bytes"],
+        total_stored=size,
+        seconds=time.perf_counter() - start,
+        search_seconds=weights.search_seconds,
+        evaluations=weights.evaluations,
+        screenings=weights.screenings,
+        optimizer_bytes=moments.raw_bytes,
+        optimizer_stored=optimizer_stored,
+        optimizer=moments.choice,
+        chain=new_chain,
+    )
+
+
+def _pack_extra(
+    extra: Any,
+    sections: SectionWriter,
+    lossy_extra: bool,
+    min_numel: int,
+    coder: str,
+    moments: _MomentPlan,
+) -> tuple[dict | None, int]:
+    """``extra`` packed into ``sections``, and the stored bytes of its optimizer moments."""
+    if extra is None:
+        return None, 0
+    packed_ids: list[int] = []
+    packed = pack_object(
+        extra,
+        sections,
+        lossy=LOSSY_OPTIMIZER_CONFIG if lossy_extra else None,
+        min_numel=min_numel,
+        coder=coder,
+        forms=moments.forms,
+        ids=packed_ids,
+    )
+    stored = entries_bytes({
+        index: entry
+        for index, entry in enumerate(packed["tensors"])
+        if packed_ids[index] in moments.tensor_ids
+    })  # fmt: skip
+    return packed, stored
+
+
+def _header(
+    state_dict: dict[str, torch.Tensor],
+    weights: _Weights,
+    path: Path,
+    chain: ChainState | None,
+    extra: Any,
+    coder: str,
+    entries: dict[str, dict],
+    packed_extra: dict | None,
+    moments: _MomentPlan,
+    optimizer_stored: int,
+) -> dict:
     base = None
     if chain is not None:
         base = {"file": os.path.relpath(chain.path, path.parent), "crc32": chain.crc32}
-    position = 0 if chain is None else chain.position + 1
     version = format_version(
-        {**entries, **dict(enumerate(packed_extra["tensors"] if packed_extra else []))}, config
+        {**entries, **dict(enumerate(packed_extra["tensors"] if packed_extra else []))},
+        weights.config,
     )
-    header = {
+    choice = moments.choice
+    return {
         "format": version,
         "kind": "keyframe" if chain is None else "delta",
         "base": base,
-        "chain_position": position,
+        "chain_position": 0 if chain is None else chain.position + 1,
         "coder": coder,
-        "config": None if config is None else config.to_dict(),
-        "degradation": degradation,
-        "degradation_on": degradation_on,
-        "search": searched,
+        "config": None if weights.config is None else weights.config.to_dict(),
+        "degradation": weights.degradation,
+        "degradation_on": weights.degradation_on,
+        "search": weights.searched,
         "order": list(state_dict),
         "tensors": entries,
         "extra": packed_extra,
@@ -416,47 +544,11 @@ def _write(
             "bytes": moments.raw_bytes,
             "stored": optimizer_stored,
             "signature": moments.signature,
-            "setting": None if moments.choice is None else moments.choice.setting.describe(),
-            "degradation": None if moments.choice is None else moments.choice.degradation,
-            "tried": [] if moments.choice is None else moments.choice.tried,
+            "setting": None if choice is None else choice.setting.describe(),
+            "degradation": None if choice is None else choice.degradation,
+            "tried": [] if choice is None else choice.tried,
         },
     }
-    size, crc = sections.write(path, header, version)
-    # Header and framing are charged to the weights: the header is mostly their tensor table.
-    extra_stored = sections.size - weight_stored
-    new_chain = ChainState(
-        path=path,
-        crc32=crc,
-        position=position,
-        since_keyframe=position,
-        shapes={name: tuple(t.shape) for name, t in state_dict.items()},
-        indices={name: (q.indices, q.alphabet) for name, q in quantized.items()},
-        config=config,
-        levels={name: q.levels for name, q in quantized.items()},
-        optimizer_signature=moments.signature,
-    )
-    return ShrinkReport(
-        path=str(path),
-        kind=header["kind"],
-        base=None if base is None else str(chain.path),
-        chain_position=position,
-        config=config,
-        degradation=degradation,
-        degradation_on=degradation_on,
-        search=searched,
-        weight_bytes=header["weight_bytes"],
-        weight_stored=size - extra_stored,
-        total_bytes=header["weight_bytes"] + header["extra_bytes"],
-        total_stored=size,
-        seconds=time.perf_counter() - start,
-        search_seconds=search_seconds,
-        evaluations=evaluations,
-        screenings=screenings,
-        optimizer_bytes=moments.raw_bytes,
-        optimizer_stored=optimizer_stored,
-        optimizer=moments.choice,
-        chain=new_chain,
-    )
 
 
 def load(path: str | os.PathLike, *, map_location: Any = "cpu") -> dict[str, torch.Tensor]:

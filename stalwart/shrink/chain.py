@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from stalwart import durable
 from stalwart.errors import ConfigurationError
-from stalwart.hindsight.checkpoint_file import temp_path_for
 from stalwart.shrink.api import (
     OPTIMIZER_MODES,
     ContinueTraining,
@@ -179,10 +179,7 @@ class ChainWriter:
             return set()
 
     def _write_retired(self, directory: Path, names: set[str]) -> None:
-        target = directory / RETIRED_FILE
-        temp = temp_path_for(target)
-        temp.write_text(json.dumps(sorted(names)))
-        os.replace(temp, target)
+        durable.write_json(directory / RETIRED_FILE, sorted(names))
 
     def collect_retired(self, directory: Path) -> None:
         """Delete retired files that no live file depends on, directly or through others."""
@@ -191,7 +188,10 @@ class ChainWriter:
             return
         bases: dict[str, str | None] = {}
         for candidate in directory.iterdir():
-            header = read_header(candidate) if candidate.is_file() else None
+            # A killed writer's temp file may hold a whole header: it is no file of the chain.
+            if durable.is_temp(candidate) or not candidate.is_file():
+                continue
+            header = read_header(candidate)
             if header is not None:
                 base = header.get("base")
                 bases[candidate.name] = None if base is None else Path(base["file"]).name

@@ -18,9 +18,10 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
+from stalwart import durable
 from stalwart.errors import CorruptCheckpointError
-from stalwart.hindsight.checkpoint_file import temp_path_for
 from stalwart.shrink.entropy import zstd_compress, zstd_decompress
 
 MAGIC = b"STWSHRK\0"
@@ -73,15 +74,14 @@ class SectionWriter:
         for part in body:
             crc = zlib.crc32(part, crc)
             length += len(part)
-        final = Path(path)
-        temp = temp_path_for(final)
-        with open(temp, "wb") as handle:
+
+        def write_parts(handle: BinaryIO) -> None:
             for part in body:
                 handle.write(part)
             handle.write(_TRAILER.pack(length, crc, END_MAGIC))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, final)
+
+        # The trailer is this format's own seal: durable only makes the write atomic and durable.
+        durable.write_atomic(path, write_parts)
         return length + _TRAILER.size, crc
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from stalwart import durable
 from stalwart.errors import ConfigurationError
-from stalwart.hindsight.checkpoint_file import write_checkpoint
 from stalwart.shrink.api import load_with_extra
 from stalwart.shrink.codec import entries_bytes
 from stalwart.shrink.container import is_shrunk_file, read_container
@@ -103,7 +103,7 @@ def restore(args: argparse.Namespace) -> None:
     weights, extra, _ = load_with_extra(source)
     checkpoint = dict(extra or {})
     checkpoint["state_dict"] = weights
-    written = write_checkpoint(checkpoint, out)
+    written = durable.save_torch(checkpoint, out, seal=False)  # plain: torch.load reads it
     print(f"wrote {out} ({written.nbytes} bytes): a plain Lightning checkpoint of {source}")
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stalwart.hindsight.rng import capture_rng, restore_rng
+from stalwart.rng import capture_rng, restore_rng
 
 
 def live_evaluator(

@@ -17,9 +17,15 @@ A worker that receives SIGTERM leaves — it reports itself in the store and exi
 others carry on. Validation runs on the full model in the driver, which needs the model to fit
 in one process.
 
-What the step does not use: ``training_step`` (Lightning requires one; write the
-single-process equivalent) — the pipeline computes ``pipeline_loss(layers(x), y)``
-(``pipeline_loss`` defaults to cross-entropy) on batches ``(x, y, ...)``. The optimizer is the one
+What the step does not use: the LightningModule's ``training_step``. The pipeline computes
+``pipeline_loss(layers(x), y)`` (``pipeline_loss`` defaults to cross-entropy) on batches
+``(x, y, ...)``, and the strategy logs each step's loss as ``train_loss`` (on step, in the
+progress bar), which reaches the trainer's loggers every ``log_every_n_steps`` like any
+``self.log`` value. Lightning's Trainer refuses a module without a ``training_step``, so keep
+the single-process equivalent (it is what trains the module under any other strategy), but
+log nothing from it: its ``self.log`` calls would never run, and the strategy warns when it sees
+one. Log other per-step values from the module's (or a callback's) ``on_train_batch_end``,
+where ``outputs["loss"]`` is the pipeline's loss. The optimizer is the one
 ``configure_optimizers`` returns (class and hyperparameters, one parameter group), rebuilt per
 stage on every owner and shadow; learning-rate schedulers, gradient clipping and gradient
 accumulation are refused with a clear error (the pipeline's micro-batches are its accumulation).
@@ -35,6 +41,8 @@ Example:
 from __future__ import annotations
 
 import copy
+import dis
+import inspect
 import io
 import json
 import time
@@ -46,18 +54,20 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
 from stalwart.errors import ConfigurationError
+from stalwart.pipeline import keys
 from stalwart.pipeline.faults import Fault
 from stalwart.pipeline.job import REDUNDANCY, PipelineJob
-from stalwart.pipeline.launch import PipelineAgent, RunResult, _collect
-from stalwart.pipeline.runtime import latest_checkpoint
-from stalwart.pipeline.workloads import IN_MEMORY, Workload
+from stalwart.pipeline.launch import PipelineAgent, PipelineRunResult, collect_result
+from stalwart.pipeline.stage_files import latest_checkpoint, load_stage, stage_path
+from stalwart.pipeline.workloads import IN_MEMORY, PipelineWorkload
 
 
-class LightningWorkload(Workload):
+class LightningPipelineWorkload(PipelineWorkload):
     """A LightningModule's layers and loss (the batches come from the driver, step by step)."""
 
     def __init__(self, module: pl.LightningModule) -> None:
@@ -80,6 +90,41 @@ class LightningWorkload(Workload):
         if hasattr(self.module, "pipeline_loss"):
             return self.module.pipeline_loss(output, target)
         return super().loss(output, target)
+
+
+#: The warning for a ``training_step`` that logs: it never runs under this strategy.
+UNCALLED_TRAINING_STEP = (
+    "RedundantPipelineStrategy does not call {name}.training_step: the pipeline workers compute "
+    "each step's loss as pipeline_loss(layers(x), y), so the values it logs with self.log never "
+    "reach your loggers. The strategy logs the step's loss as 'train_loss' itself; log other "
+    "per-step values from on_train_batch_end (of the module or a callback), where "
+    "outputs['loss'] is that loss."
+)
+
+
+def _logs_in_training_step(module: pl.LightningModule) -> bool:
+    """Whether the module's own ``training_step`` calls ``self.log`` or ``self.log_dict``.
+
+    Read from the method's bytecode (the strategy never runs it): a load of the attribute
+    ``log``/``log_dict`` right after a load of the method's first argument.
+    """
+    step = inspect.unwrap(type(module).training_step)
+    code = getattr(step, "__code__", None)
+    if code is None or not code.co_argcount:
+        return False
+    me = code.co_varnames[0]
+    previous = None
+    for ins in dis.get_instructions(code):
+        if (
+            ins.opname in ("LOAD_ATTR", "LOAD_METHOD")
+            and ins.argval in ("log", "log_dict")
+            and previous is not None
+            and previous.opname.startswith("LOAD_FAST")
+            and previous.argval == me
+        ):
+            return True
+        previous = ins
+    return False
 
 
 def _optimizer_description(optimizer: Optimizer) -> tuple[str, dict]:
@@ -154,9 +199,9 @@ class RedundantPipelineStrategy(ParallelStrategy):
             self.job.validate()  # raises the specific error before any process starts
         self.faults = list(faults)
         self.step_timeout = step_timeout
-        self.result: RunResult | None = None
+        self.result: PipelineRunResult | None = None
         self._agent: PipelineAgent | None = None
-        self._workload: LightningWorkload | None = None
+        self._workload: LightningPipelineWorkload | None = None
         self._step = 0  # pipeline steps run (the workers' step counter)
         self._weights_step = 0  # the step whose weights the LightningModule holds
         self._forgotten = 0  # batches before this step were deleted from the store
@@ -175,7 +220,9 @@ class RedundantPipelineStrategy(ParallelStrategy):
 
     def on_train_start(self) -> None:
         module = self.lightning_module
-        self._workload = LightningWorkload(module)
+        if _logs_in_training_step(module):
+            rank_zero_warn(UNCALLED_TRAINING_STEP.format(name=type(module).__name__))
+        self._workload = LightningPipelineWorkload(module)
         name = f"in-memory:{id(self._workload)}"
         optimizer, kwargs = _optimizer_description(self.optimizers[0])
         job = PipelineJob(
@@ -200,21 +247,20 @@ class RedundantPipelineStrategy(ParallelStrategy):
         if agent is None or self._weights_step == self._step:
             return
         step = self._step
-        agent.store.set(f"sync/{step}", "1")
-        folder = agent.checkpoint_dir / f"step-{step:06d}"
-        P = agent.job.num_stages
+        agent.store.set(keys.sync(step), "1")
+        directory, P = agent.checkpoint_dir, agent.job.num_stages
         self._wait(
-            lambda: all((folder / f"stage-{s}.pt").exists() for s in range(P)),
+            lambda: all(stage_path(directory, step, s).exists() for s in range(P)),
             f"the stage weights of step {step}",
         )
-        self._load_stage_files(folder, agent.job.bounds)
+        self._load_stage_files(directory, step, agent.job.bounds)
         self._weights_step = step
 
-    def _load_stage_files(self, folder: Path, bounds: list) -> None:
+    def _load_stage_files(self, directory: Path, step: int, bounds: list) -> None:
         assert self._workload is not None
         layers = self._workload._layers
         for stage, (start, end) in enumerate(bounds):
-            state = torch.load(folder / f"stage-{stage}.pt", weights_only=True)["module"]
+            state = load_stage(stage_path(directory, step, stage))["module"]
             nn.Sequential(*layers[start:end]).load_state_dict(state)
 
     def _stop_workers(self) -> None:
@@ -222,10 +268,10 @@ class RedundantPipelineStrategy(ParallelStrategy):
         if agent is None:
             return
         try:
-            agent.store.set("stop", "1")
+            agent.store.set(keys.STOP, "1")
             agent.wait_until(agent.poll, 60, "the workers' exit")
             job = PipelineJob(**{**agent.job.__dict__, "steps": self._step})
-            self.result = _collect(
+            self.result = collect_result(
                 agent.store, job, agent.exit_codes, time.monotonic() - self._started
             )
         finally:
@@ -262,11 +308,13 @@ class RedundantPipelineStrategy(ParallelStrategy):
         step = self._step
         buffer = io.BytesIO()
         torch.save((batch[0], batch[1]), buffer)
-        agent.store.set(f"batch/{step}", buffer.getvalue())
-        self._wait(lambda: agent.store.check([f"loss/{step}"]), f"step {step}")
-        loss = torch.tensor(float(agent.store.get(f"loss/{step}")))
+        agent.store.set(keys.batch(step), buffer.getvalue())
+        self._wait(lambda: agent.store.check([keys.loss(step)]), f"step {step}")
+        loss = torch.tensor(float(agent.store.get(keys.loss(step))))
         self._step += 1
         self._forget_batches()
+        # Lightning runs this as the module's training_step hook, so the value takes the path
+        # of a user's self.log: callback_metrics, the progress bar and every logger.
         self.lightning_module.log("train_loss", loss, prog_bar=True)
         return loss
 
@@ -276,7 +324,7 @@ class RedundantPipelineStrategy(ParallelStrategy):
         assert agent is not None
         oldest = latest_checkpoint(agent.checkpoint_dir, agent.job.num_stages) or 0
         for step in range(self._forgotten, oldest):
-            agent.store.delete_key(f"batch/{step}")
+            agent.store.delete_key(keys.batch(step))
         self._forgotten = max(self._forgotten, oldest)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kw: Any) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 from composer import Callback
@@ -10,7 +12,7 @@ from composer_digits import WeightNormProbe, make_trainer
 
 import stalwart.hindsight
 from stalwart.algorithms import Hindsight, replay
-from stalwart.hindsight.recorder import Recorder
+from stalwart.hindsight.policy import DEFAULT_EPSILON, DEFAULT_RESTORE_RATIO
 
 EPOCHS = 6
 BATCHES = 11  # 1437 digits in batches of 128, the last short one dropped
@@ -84,12 +86,39 @@ def test_whole_run_replayed_from_the_initial_checkpoint(recorded, ground_truth):
     assert len(stalwart.hindsight.open(root).runs()) == 1  # replays record no run of their own
 
 
-def test_lightning_and_composer_record_with_the_same_core(tmp_path):
+def test_lightning_and_composer_record_the_same_epochs_and_decisions(tmp_path):
+    """The same 3-epoch digits training, recorded by each adapter with a checkpoint forced every
+    epoch: the same checkpoints, the same decision table, and in both each decision prices a
+    checkpoint at the low median of the costs measured so far (the core's feedback loop)."""
     from stalwart import HindsightCallback
+    from tests.helpers import fit_digits
 
-    composer_side = Hindsight(tmp_path / "c")
-    lightning_side = HindsightCallback(tmp_path / "l")
-    assert type(composer_side.recorder) is type(lightning_side.recorder) is Recorder
+    class EveryEpochLightning(HindsightCallback):
+        def should_checkpoint(self, trainer, policy_says: bool) -> bool:
+            return True
+
+    epochs = 3
+    fit_digits([EveryEpochLightning(tmp_path / "lightning", materializer="inline")], epochs=epochs)
+    make_trainer(
+        epochs=epochs, algorithms=[EveryEpoch(tmp_path / "composer", materializer="inline")]
+    ).fit()
+    runs = [stalwart.hindsight.open(tmp_path / side).run() for side in ("lightning", "composer")]
+    tables = [run.decisions() for run in runs]
+    assert list(tables[0].columns) == list(tables[1].columns)
+    budget = min(1 / (1 + DEFAULT_RESTORE_RATIO), DEFAULT_EPSILON)
+    for run, decisions in zip(runs, tables, strict=True):
+        assert run.status == "completed"
+        assert [c.epoch for c in run.checkpoints(include_initial=True)] == list(range(-1, epochs))
+        assert decisions.epoch.tolist() == list(range(epochs))
+        assert decisions.n.tolist() == list(range(1, epochs + 1))
+        assert decisions.k.tolist() == list(range(epochs))  # every earlier epoch checkpointed
+        assert decisions.checkpoint.astype(bool).all()
+        expected = (decisions.n / (decisions.k + 1) * budget).tolist()
+        assert decisions.threshold.tolist() == pytest.approx(expected, rel=1e-12)
+        measured = (decisions.measured_cost + decisions.interference).tolist()
+        prior = decisions.materialize_cost.iloc[0]  # the probe measured before epoch 0
+        priced = [statistics.median_low([prior, *measured[:e]]) for e in range(epochs)]
+        assert decisions.materialize_cost.tolist() == pytest.approx(priced, rel=1e-12)
 
 
 class Boom(Callback):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -11,8 +14,24 @@ import torch
 from stalwart.gnn import IntervalGraph, StaleGCNConv, StaleGNN
 from stalwart.gnn.synthetic import stochastic_block_graph
 
-PLANETOID = Path(os.environ.get("STALWART_PLANETOID", "/work/shared/data/planetoid"))
-HAVE_CORA = (PLANETOID / "Cora" / "raw").is_dir()
+#: The offline Planetoid copy (``<name>/raw``) the tests read: ``$STALWART_PLANETOID``, else
+#: ``shared/data/planetoid`` next to the repository, where CI and the dev machines keep it.
+OFFLINE_PLANETOID = Path(
+    os.environ.get("STALWART_PLANETOID")
+    or Path(__file__).resolve().parents[3] / "shared" / "data" / "planetoid"
+)
+HAVE_CORA = (OFFLINE_PLANETOID / "Cora" / "raw").is_dir()
+
+
+@functools.cache
+def planetoid_root() -> Path:
+    """A writable copy of the offline raw files, to pass as ``root=`` (PyG writes ``processed/``
+    next to ``raw/``, and the offline copy may be read-only)."""
+    root = Path(tempfile.mkdtemp(prefix="stalwart-test-planetoid-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    for raw in OFFLINE_PLANETOID.glob("*/raw"):
+        shutil.copytree(raw, root / raw.parent.name / "raw")
+    return root
 
 
 @functools.cache
@@ -21,7 +40,7 @@ def cora_or_sbm() -> dict[str, torch.Tensor]:
     if HAVE_CORA:
         from stalwart.datamodules import load_planetoid
 
-        data = load_planetoid("Cora", PLANETOID)
+        data = load_planetoid("Cora", planetoid_root())
         keys = ("x", "y", "edge_index", "train_mask", "val_mask", "test_mask")
         return {k: getattr(data, k) for k in keys}
     return stochastic_block_graph(seed=0)

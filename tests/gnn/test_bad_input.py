@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from stalwart import Trainer
-from stalwart.datamodules import StaleGatherDataModule, StaleGCN
-from stalwart.errors import ConfigurationError
+from stalwart.datamodules import StaleGatherDataModule, StaleGCN, default_planetoid_root
+from stalwart.errors import ConfigurationError, DatasetUnavailableError
 from stalwart.gnn import IntervalGraph, StaleGatherEngine, Straggler
 from tests.gnn.graphs import adam_update, gcn, interval_graph, sbm
 
@@ -58,10 +58,16 @@ def test_malformed_tensors():
         IntervalGraph.build(**{**t, "y": t["y"].float()}, num_intervals=2)
 
 
-def test_missing_planetoid_folder(tmp_path):
+def test_missing_planetoid_folder(tmp_path, monkeypatch):
+    # No files under root and nothing to download them from (a port nothing listens on).
+    monkeypatch.setattr(torch_geometric.datasets.Planetoid, "url", "http://127.0.0.1:9/data")
     dm = StaleGatherDataModule("Cora", num_intervals=4, root=str(tmp_path))
-    with pytest.raises(ConfigurationError, match="no Planetoid Cora"):
+    with pytest.raises(ConfigurationError, match="no Planetoid Cora") as info:
         dm.setup("fit")
+    assert isinstance(info.value, DatasetUnavailableError)
+    message = str(info.value)
+    assert str(tmp_path / "Cora" / "raw") in message and "pass root=" in message
+    assert dm.graph is None, "a missing dataset must not be replaced by another graph"
     fallback = StaleGatherDataModule("Cora", num_intervals=4, root=str(tmp_path), fallback_sbm=True)
     with pytest.warns(UserWarning, match="Falling back to a generated SBM"):
         fallback.setup("fit")
@@ -72,6 +78,14 @@ def test_missing_planetoid_folder(tmp_path):
     )
     with pytest.raises(ConfigurationError, match="data='Reddit'"):
         StaleGatherDataModule("Reddit").setup("fit")
+
+
+def test_planetoid_root_defaults_to_the_users_pyg_home(monkeypatch, tmp_path):
+    monkeypatch.delenv("STALWART_PLANETOID", raising=False)
+    monkeypatch.setenv("PYG_HOME", str(tmp_path / "pyg"))
+    assert default_planetoid_root() == tmp_path / "pyg" / "planetoid"
+    monkeypatch.setenv("STALWART_PLANETOID", str(tmp_path / "mine"))
+    assert default_planetoid_root() == tmp_path / "mine"
 
 
 def test_bad_engine_and_straggler_arguments():

@@ -13,7 +13,7 @@ import pytest
 
 from stalwart import Trainer
 from stalwart.datamodules import StaleGAT, StaleGatherDataModule, StaleGCN
-from tests.gnn.graphs import sbm
+from tests.gnn.graphs import HAVE_CORA, planetoid_root, sbm
 from tests.helpers import QUIET
 
 pytest.importorskip("torch_geometric")
@@ -56,10 +56,12 @@ def test_example_config_fits_from_yaml(tmp_path):
     exe = shutil.which("stalwart")
     command = [exe] if exe else [sys.executable, "-m", "stalwart.cli"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Cora from the offline copy, named explicitly; without one, the generated graph on request.
+    data = [f"--data.root={planetoid_root()}"] if HAVE_CORA else ["--data.fallback_sbm=true"]
     out = subprocess.run(
         [*command, "fit", "--config", str(config), "--trainer.max_epochs=2",
          "--data.staleness=1", "--data.straggler_delay=0.001",
-         "--trainer.enable_progress_bar=false"],
+         "--trainer.enable_progress_bar=false", *data],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]

@@ -7,6 +7,8 @@
   the run is marked failed.
 * A forked writer child is SIGKILLed mid-write: its torn temp file must never be indexed or taken
   for a checkpoint, and a truncated file at an indexed path must be refused on load.
+* The checkpoint writer, in its own process, is SIGKILLed mid-write over a good previous file:
+  that file stays intact and indexed, and the torn one is a temp file no reader takes.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ import torch
 from digits import DigitsClassifier, DigitsDataModule
 
 import stalwart
-from stalwart import CorruptCheckpointError, HindsightCallback
-from stalwart.hindsight.checkpoint_file import TEMP_MARKER
+from stalwart import CorruptCheckpointError, HindsightCallback, durable
+from stalwart.durable import TEMP_MARKER
+from stalwart.hindsight.checkpoint_file import read_checkpoint, write_checkpoint
 from stalwart.hindsight.materializer import ForkMaterializer, WriteJob
 from stalwart.hindsight.store import APPLICATION_ID, HindsightStore, checkpoint_recorder
+from tests.torn_write import kill_mid_write
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -517,3 +521,47 @@ def test_torn_files_of_dead_writers_are_swept_when_recording_resumes(tmp_path):
     HindsightStore(tmp_path, create=True).close()
     assert not torn.exists()
     assert live.exists() and kept.exists()
+
+
+# -- the checkpoint writer itself killed mid-write, over a good previous file -------------------
+
+CHECKPOINT_WRITER = """
+import torch
+from stalwart.hindsight.checkpoint_file import write_checkpoint
+
+state = {{"w": torch.randn(10 << 20, generator=torch.Generator().manual_seed(1))}}  # 40 MB
+write_checkpoint(state, {path!r})
+"""
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_writer_killed_mid_write_leaves_the_previous_file(tmp_path):
+    root = tmp_path / "runs"
+    store = HindsightStore(root, create=True)
+    run_id = store.begin_run(hparams={}, fingerprints={}, config={})
+    path = store.run_dir(run_id) / "epoch=0000.ckpt"
+    previous = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+    checkpoint_recorder(store.db_path, run_id, epoch=0, step=0)(write_checkpoint(previous, path))
+    store.close()
+    intact = path.read_bytes()
+
+    stall_after = 8 << 20
+    temp, pid = kill_mid_write(
+        CHECKPOINT_WRITER.format(path=str(path)), path, stall_after=stall_after
+    )
+
+    # The previous file is untouched and still the indexed, verified checkpoint.
+    assert path.read_bytes() == intact
+    with stalwart.hindsight.open(root) as reader:
+        (entry,) = reader.run().checkpoints()
+        assert entry.path == path
+        assert torch.equal(entry.load()["w"], previous["w"])
+    # The torn write is a temp file (never indexed), shorter than the 40 MB state, and no reader
+    # takes it for the checkpoint.
+    assert durable.is_temp(temp) and temp.name.endswith(str(pid))
+    assert stall_after <= temp.stat().st_size < 40 << 20
+    with pytest.raises(CorruptCheckpointError, match="is corrupted"):
+        read_checkpoint(temp, entry.nbytes, entry.crc32)
+    # Recording into the directory again sweeps it (its writer is dead).
+    HindsightStore(root, create=True).close()
+    assert not temp.exists() and path.read_bytes() == intact

@@ -1,23 +1,23 @@
-"""The preemption simulator (a scale claim) reproduces the shape of thesis Table 3.3.
+"""Properties of the preemption simulator that follow from its model: with no preemptions it is
+the healthy cluster minus the redundancy overhead, more preemptions never buy throughput, every
+allocated node is billed, redundancy overtakes checkpoint/restart as preemptions grow, a 1F1B
+step takes as many slots as the runtime's own schedule, and a seed fixes the result.
 
-"Roughly flat" is defined from the thesis' own numbers, which it calls stable: Table 3.3 keeps
-76% of Bamboo's calm-market value at p=0.5 (2.10 -> 1.59) and the real BERT runs of Table 3.2
-keep 70% from the 10% to the 33% hourly rate (2.34 -> 1.65). So: the worst value over
-p in {0.01, ..., 0.5} must keep >= 70% of the best, and value must fall by at most half as much
-as throughput (Table 3.3: 24% vs 54%), because the bill shrinks with the cluster.
+How close the defaults come to the thesis' Table 3.3 is not asserted here: it depends on inputs
+the thesis does not print, and ``benchmarks/pipeline_simulator_vs_thesis.py`` prints it.
 """
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
 from stalwart.cli import main
 from stalwart.errors import ConfigurationError
+from stalwart.pipeline.schedule import one_f_one_b, timeline
 from stalwart.pipeline.simulator import (
-    THESIS_ON_DEMAND_VALUE,
-    THESIS_TABLE_3_3,
     MarketProcess,
     SimulationSettings,
     TraceMarket,
@@ -29,85 +29,125 @@ from stalwart.pipeline.simulator import (
     sweep,
 )
 
-PROBABILITIES = (0.01, 0.05, 0.10, 0.25, 0.50)
-FLAT = 0.70  # worst value / best value; see the module docstring
+PROBABILITIES = (0.0, 0.01, 0.05, 0.10, 0.25, 0.50)
+SPOT = ("bamboo", "checkpoint")
 
 
 @pytest.fixture(scope="module")
 def rows():
-    # Checkpoint/restart runs reach max_hours at high p (slow), so fewer of them.
-    bamboo = sweep(PROBABILITIES, SimulationSettings(runs=200), strategies=("bamboo",))
-    slow = SimulationSettings(runs=60, max_hours=120)  # 10x the work: none finish at p>=0.25
+    # Checkpoint/restart runs at high p never finish and run to max_hours (slow), so fewer.
+    bamboo = sweep(PROBABILITIES, SimulationSettings(runs=100), strategies=("bamboo",))
+    slow = SimulationSettings(runs=30, max_hours=60)
     checkpoint = sweep(PROBABILITIES, slow, strategies=("checkpoint",))
     return {(r.strategy, r.probability): r for r in bamboo + checkpoint}
 
 
-@pytest.mark.timeout(120)
-def test_value_stays_above_on_demand_and_roughly_flat_while_fatal_failures_grow(rows):
-    bamboo = [rows[("bamboo", p)] for p in PROBABILITIES]
-    demand = rows[("on-demand", 0.01)]
-    assert demand.value == pytest.approx(THESIS_ON_DEMAND_VALUE, abs=0.01)
-    assert all(r.value > demand.value for r in bamboo)
-    values = [r.value for r in bamboo]
-    assert min(values) >= FLAT * max(values), values
-    value_drop = 1 - bamboo[-1].value / bamboo[0].value
-    throughput_drop = 1 - bamboo[-1].throughput / bamboo[0].throughput
-    assert value_drop <= 0.5 * throughput_drop, (value_drop, throughput_drop)
-    # ... while preemptions and fatal failures grow with p,
-    preemptions = [r.preemptions for r in bamboo]
-    fatal = [r.fatal_failures for r in bamboo]
-    assert preemptions == sorted(preemptions) and preemptions[-1] > 50 * preemptions[0]
-    assert fatal == sorted(fatal) and fatal[-1] > 0.5 > fatal[0]
-    # but stay rare: most preemptions are absorbed by a shadow (thesis: 5.98 of 709.83).
-    assert fatal[-1] < 0.01 * preemptions[-1]
-    # The bill follows the shrinking cluster.
-    assert bamboo[-1].nodes < 0.7 * bamboo[0].nodes and bamboo[-1].cost < 0.7 * bamboo[0].cost
+def test_without_preemptions_throughput_is_the_healthy_cluster_minus_the_redundancy_overhead():
+    s = SimulationSettings(runs=3, work_hours=2.0)
+    rows = simulate(0.0, s)
+    bamboo, checkpoint, demand = rows["bamboo"], rows["checkpoint"], rows["on-demand"]
+    healthy = s.num_pipelines * s.pipeline_throughput  # D pipelines of the on-demand depth
+    assert checkpoint.throughput == pytest.approx(healthy)
+    assert demand.throughput == pytest.approx(healthy)
+    # The redundant pipelines are deeper but not faster: each step pays eager FRC.
+    assert bamboo.throughput == pytest.approx(healthy / (1 + s.rc_overhead))
+    assert bamboo.hours == pytest.approx(s.work_hours * (1 + s.rc_overhead))
+    assert checkpoint.hours == pytest.approx(s.work_hours)
+    bamboo_nodes = s.num_stages * s.num_pipelines
+    demand_nodes = s.demand_stages * s.num_pipelines
+    assert bamboo.nodes == pytest.approx(bamboo_nodes)
+    assert bamboo.cost == pytest.approx(bamboo_nodes * s.spot_price)
+    assert checkpoint.nodes == pytest.approx(demand_nodes) == demand.nodes
+    assert checkpoint.cost == pytest.approx(demand_nodes * s.spot_price)
+    assert demand.cost == pytest.approx(demand_nodes * s.demand_price)
+    assert demand.value == pytest.approx(1.10, abs=0.01)  # 108 samples/s for $97.92/h
+    for row in rows.values():
+        assert row.value == pytest.approx(row.throughput / row.cost)
+        assert row.preemptions == row.fatal_failures == row.reconfigurations == 0
+        assert row.useful_share == pytest.approx(1.0) and row.paused_share == 0
 
 
 @pytest.mark.timeout(120)
-def test_market_and_value_reproduce_thesis_table_3_3(rows):
-    for p, (preemptions, interval, _, nodes, _, _, value) in THESIS_TABLE_3_3.items():
-        ours = rows[("bamboo", p)]
-        assert ours.preemptions == pytest.approx(preemptions, rel=0.2), p
-        assert ours.interval == pytest.approx(interval, rel=0.2, abs=0.01), p
-        assert ours.nodes == pytest.approx(nodes, rel=0.1), p
-        # Lower than the thesis at low p: a failed-over shadow slows every pipeline's step.
-        assert ours.value == pytest.approx(value, rel=0.2), p
+def test_more_preemptions_never_raise_throughput_nodes_or_cost(rows):
+    for strategy in SPOT:
+        ordered = [rows[(strategy, p)] for p in PROBABILITIES]
+        for calmer, rougher in zip(ordered, ordered[1:], strict=False):
+            p = rougher.probability
+            assert rougher.preemptions > calmer.preemptions, (strategy, p)
+            assert rougher.fatal_failures >= calmer.fatal_failures, (strategy, p)
+            assert rougher.throughput <= calmer.throughput, (strategy, p)
+            assert rougher.useful_share <= calmer.useful_share, (strategy, p)
+            assert rougher.nodes < calmer.nodes and rougher.cost < calmer.cost, (strategy, p)
+        # Each live node is preempted at the market's rate, -ln(1 - p) per node-hour.
+        for row in ordered[1:]:
+            rate = row.preemptions / (row.nodes * row.hours)
+            assert rate == pytest.approx(-math.log1p(-row.probability), rel=0.1), row
 
 
 @pytest.mark.timeout(120)
-def test_checkpoint_restart_useful_time_falls_far_below_ours(rows):
-    # Thesis §3.6.3: checkpoint/restart spent 23% of its time on actual training, Bamboo 84%.
-    assert rows[("checkpoint", 0.10)].useful_share <= 0.35
-    assert rows[("bamboo", 0.10)].useful_share >= 0.84
-    for p in (0.10, 0.25, 0.50):
-        ours, theirs = rows[("bamboo", p)], rows[("checkpoint", p)]
-        assert ours.useful_share > theirs.useful_share + 0.5, p
-        # Every preemption of a working node is a restart for them, rare for us.
-        assert theirs.fatal_failures > 0.9 * theirs.preemptions > 100 * ours.fatal_failures, p
-        assert ours.value > theirs.value, p
+def test_every_allocated_node_is_billed_so_value_falls_less_than_throughput(rows):
+    s = SimulationSettings()
+    for (strategy, p), row in rows.items():
+        price = s.demand_price if strategy == "on-demand" else s.spot_price
+        assert row.cost == pytest.approx(row.nodes * price), (strategy, p)
+    calm, rough = rows[("bamboo", 0.01)], rows[("bamboo", 0.50)]
+    assert rough.nodes < 0.7 * calm.nodes and rough.cost < 0.7 * calm.cost
+    value_drop = 1 - rough.value / calm.value
+    throughput_drop = 1 - rough.throughput / calm.throughput
+    assert 0 < value_drop < throughput_drop, (value_drop, throughput_drop)
 
 
 @pytest.mark.timeout(120)
-def test_reconfiguration_cost_is_calibrated_on_the_thesis_real_runs():
-    # §3.6.1: reconfiguration took "an average of 7% of the total training time" on traces
-    # with 10%, 16% and 33% hourly preemption rates; the default reconfig_seconds gives that.
-    s = SimulationSettings(runs=100)
-    shares = [
-        simulate(p, s, strategies=("bamboo",))["bamboo"].reconfig_share for p in (0.1, 0.16, 0.33)
-    ]
-    assert sum(shares) / 3 == pytest.approx(0.07, abs=0.015), shares
+def test_redundancy_beats_checkpoint_restart_beyond_a_preemption_rate(rows):
+    def ours(p):
+        return rows[("bamboo", p)]
+
+    def theirs(p):
+        return rows[("checkpoint", p)]
+
+    # No preemptions: restarts cost nothing, and redundancy is pure overhead.
+    assert theirs(0.0).throughput > ours(0.0).throughput and theirs(0.0).value > ours(0.0).value
+    crossover = next(p for p in PROBABILITIES if ours(p).value > theirs(p).value)
+    assert 0 < crossover <= 0.10
+    for p in PROBABILITIES[PROBABILITIES.index(crossover) :]:
+        assert ours(p).value > theirs(p).value, p
+        assert ours(p).throughput > theirs(p).throughput, p
+        assert ours(p).useful_share > theirs(p).useful_share, p
+    for p in PROBABILITIES[1:]:
+        # Shadows absorb most preemptions; for checkpoint/restart nearly each one is a restart.
+        assert ours(p).fatal_failures < 0.01 * ours(p).preemptions, p
+        if p >= 0.10:
+            assert theirs(p).fatal_failures > 0.9 * theirs(p).preemptions, p
+            assert ours(p).useful_share > theirs(p).useful_share + 0.5, p
+        # With the thesis' prices, redundant spot pipelines are worth more than on-demand ones.
+        assert ours(p).value > rows[("on-demand", p)].value, p
+    assert ours(0.50).fatal_failures > 0.5 > ours(0.01).fatal_failures
 
 
-def test_fewer_pipelines_share_the_global_batch_like_measured_step_times():
-    # BERT iteration times in the thesis authors' simulator: 2.3 / 3.1 / 5.7 s for 3 / 2 / 1
-    # pipelines of 8 stages. Same samples per step, so throughput ratios are their inverse.
-    s = SimulationSettings(num_pipelines=3, num_microbatches=20)
-    full = _throughput(s, 8, 3, 1.0)
-    assert full == pytest.approx(3.0)
-    for pipelines, seconds in ((2, 3.1), (1, 5.7)):
-        assert full / _throughput(s, 8, pipelines, 1.0) == pytest.approx(seconds / 2.3, rel=0.03)
-    assert _throughput(s, 8, 0, 1.0) == 0
+@pytest.mark.parametrize("stages", [2, 4, 8])
+def test_a_1f1b_step_takes_the_slots_of_the_runtime_schedule(stages):
+    # Throughput model vs the runtime's 1F1B instruction streams (unit-time forward and
+    # backward): fewer pipelines run more micro-batches each and fill their bubble better.
+    def ticks(microbatches: int) -> int:
+        return max(timeline(one_f_one_b(stages, microbatches)).values()) + 1
+
+    s = SimulationSettings(num_pipelines=4, num_microbatches=4)
+    full = _throughput(s, stages, 4, 1.0)
+    assert full == pytest.approx(4.0)
+    for pipelines in (2, 1):
+        per_pipeline = s.num_microbatches * 4 // pipelines
+        expected = ticks(s.num_microbatches) / ticks(per_pipeline)
+        assert _throughput(s, stages, pipelines, 1.0) / full == pytest.approx(expected)
+        assert pipelines / 4 < expected < 1
+    assert _throughput(s, stages, 0, 1.0) == 0
+
+
+def test_a_seed_fixes_the_result():
+    s = SimulationSettings(runs=5, work_hours=2.0)
+    first = simulate(0.25, s)
+    assert simulate(0.25, s) == first
+    other = simulate(0.25, SimulationSettings(runs=5, work_hours=2.0, seed=1))
+    assert other["bamboo"] != first["bamboo"] and other["checkpoint"] != first["checkpoint"]
 
 
 def _bamboo(num_pipelines: int) -> _Bamboo:
@@ -127,7 +167,9 @@ def test_policy_failover_then_consecutive_loss_reconfigures_from_other_pipelines
     sim.preempt({first[3]})  # its shadow (stage 2) takes over: a pause, no reconfiguration
     assert sim.holes[0] == {3} and sim.run.reconfigurations == 0
     assert sim.run.paused_until == pytest.approx(36 / 3600)
-    assert sim.rate() == pytest.approx(_throughput(sim.s, 12, 2, sim.per_pipeline) / 1.43, 0.01)
+    healthy = _throughput(sim.s, 12, 2, sim.per_pipeline)
+    assert sim.rate() == pytest.approx(healthy / sim.s.failover_slowdown)
+    assert sim.s.failover_slowdown == pytest.approx(1.43, abs=0.01)  # Table 3.5: 1.7151 / 1.1977
     sim.preempt({first[4]})  # consecutive: stage 4's layers survive only in pipeline 1
     assert sim.run.fatal == 0 and sim.run.reconfigurations == 1
     assert len(sim.pipelines) == 1 and len(sim.standby) == 10  # symmetric: 22 nodes -> 1 x 12

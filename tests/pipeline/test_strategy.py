@@ -3,13 +3,16 @@ the training steps computed by pipeline workers that survive a killed or preempt
 
 from __future__ import annotations
 
+import csv
 import os
 import signal
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -18,6 +21,7 @@ from stalwart.errors import ConfigurationError
 from stalwart.pipeline.faults import Fault
 from stalwart.pipeline.workloads import DigitsMLP
 from stalwart.strategies import RedundantPipelineStrategy
+from stalwart.strategies.redundant_pipeline import _logs_in_training_step
 
 EPOCHS, BATCHES = 2, 6
 
@@ -75,13 +79,13 @@ def loaders() -> tuple[DataLoader, DataLoader]:
     return DataLoader(train, batch_size=32), DataLoader(val, batch_size=64)
 
 
-def fit(tmp_path, strategy, recorder: Recorder) -> tuple[DigitsModule, L.Trainer]:
+def fit(tmp_path, strategy, recorder: Recorder, logger=False) -> tuple[DigitsModule, L.Trainer]:
     module = DigitsModule()
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "checkpoints", monitor="val_loss", save_top_k=1)
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False,
+        strategy=strategy, accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=logger,
         callbacks=[recorder, checkpoint], enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=1,
+        enable_model_summary=False, num_sanity_val_steps=1, log_every_n_steps=1,
     )  # fmt: skip
     trainer.fit(module, *loaders())
     return module, trainer
@@ -107,13 +111,32 @@ def assert_same_training(recorder: Recorder, reference: Recorder) -> None:
     assert len(recorder.val_losses) == EPOCHS and max(abs(a - b) for a, b in pairs) <= 1e-5
 
 
+def logged_train_losses(log_dir: str) -> dict[int, float]:
+    """Step -> ``train_loss`` as the CSVLogger wrote it."""
+    with open(Path(log_dir) / "metrics.csv", newline="") as fh:
+        return {
+            int(r["step"]): float(r["train_loss"]) for r in csv.DictReader(fh) if r["train_loss"]
+        }
+
+
 @pytest.mark.timeout(120)
 def test_lightning_loop_callbacks_validation_and_checkpoint(tmp_path, reference):
     ref_module, ref_recorder = reference
     strategy = pipeline()
     recorder = Recorder()
-    module, trainer = fit(tmp_path, strategy, recorder)
+    logger = CSVLogger(tmp_path, name="csv")
+    # DigitsModule.training_step calls self.log, which cannot happen under the pipeline.
+    with pytest.warns(UserWarning, match="does not call DigitsModule.training_step"):
+        module, trainer = fit(tmp_path, strategy, recorder, logger)
     assert trainer.state.finished and trainer.global_step == EPOCHS * BATCHES
+    # Every step's pipeline loss reached the user's logger: the values the workers recorded.
+    logged = logged_train_losses(logger.log_dir)
+    assert sorted(logged) == list(range(EPOCHS * BATCHES))
+    recorded = strategy.result.losses
+    assert len(recorded) == EPOCHS * BATCHES
+    for step, loss in logged.items():
+        assert loss == pytest.approx(recorded[step], rel=1e-6), step
+        assert loss == pytest.approx(recorder.losses[step], rel=1e-6), step
     # The pipeline trains exactly like Lightning's own single-process loop: the same losses
     # (seen by a user callback), the same validation losses, the same final weights.
     assert_same_training(recorder, ref_recorder)
@@ -171,3 +194,23 @@ def test_bad_strategy_arguments_fail_before_any_process():
             limit_val_batches=0,
         )  # fmt: skip
         trainer.fit(DigitsModule(), loaders()[0])
+
+
+class QuietModule(DigitsModule):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.model(torch.log(x.abs() + 1)), y)
+
+
+class DictLoggingModule(DigitsModule):
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self.model(batch[0]), batch[1])
+        self.log_dict({"loss": loss})
+        return loss
+
+
+def test_only_a_training_step_that_logs_is_warned_about():
+    assert _logs_in_training_step(DigitsModule())
+    assert _logs_in_training_step(DictLoggingModule())
+    assert not _logs_in_training_step(QuietModule())  # torch.log is not self.log
+    assert not _logs_in_training_step(L.LightningModule())

@@ -8,7 +8,7 @@ import json
 from stalwart.cli import main
 from stalwart.ps.config import PSConfig
 from stalwart.ps.experiment import format_ratios, time_to_target_ratios
-from stalwart.ps.runner import RunResult
+from stalwart.ps.result import PSRunResult
 
 
 def test_bad_experiment_options_are_clear_errors(tmp_path, capsys):
@@ -43,7 +43,7 @@ def _result(mode: str, kills: int, crossing: float | None, seed: int = 0, wall: 
     timeline = [{"t": t, "accuracy": 0.5} for t in (1.0, 2.0, 3.0)]
     if crossing is not None:
         timeline += [{"t": crossing + d, "accuracy": 0.95} for d in (-0.2, -0.1, 0.0)]
-    result = RunResult(PSConfig(mode=mode, seed=seed), wall, timeline=timeline)
+    result = PSRunResult(PSConfig(mode=mode, seed=seed), wall, timeline=timeline)
     result.kills = [{"killed": 4.0 + 2 * k} for k in range(kills)]
     return result
 

@@ -1,4 +1,4 @@
-"""Real processes, real SIGKILL: the issue's must-show points 1, 2, 3 and 5 (store outage).
+"""Real processes, real SIGKILL: a PS killed mid-run, chain replication, stateless PS, store outage.
 
 Each test is one short run (a small CNN so the store traffic is light); the audit trail in the
 store (``keep_gradients=True``) lets every claim be checked on the weights themselves.

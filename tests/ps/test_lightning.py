@@ -7,8 +7,8 @@ import torch
 from digits_cnn import DigitsCNN, DigitsCNNDataModule
 
 from stalwart import ParameterServerTrainer
+from stalwart.flat import flatten
 from stalwart.ps import KillEvent
-from stalwart.ps.model import flatten
 
 
 def test_lightning_module_trains_through_a_ps_sigkill(tmp_path):
@@ -21,7 +21,7 @@ def test_lightning_module_trains_through_a_ps_sigkill(tmp_path):
 
     torch.manual_seed(0)
     model = DigitsCNN(channels=8, hidden=64)
-    initial = flatten(list(model.parameters()))
+    initial = flatten(model.parameters())
     trainer = ParameterServerTrainer(
         mode="stateless", workers=2, steps=250, lr=0.1, kills=[KillEvent(120, 1.0)],
         keep_gradients=True, run_dir=str(tmp_path / "run"), metric=val_accuracy,
@@ -33,7 +33,7 @@ def test_lightning_module_trains_through_a_ps_sigkill(tmp_path):
     assert result.produced_during_downtime > 0 and result.worker_idle == [0.0, 0.0]
     assert result.recoveries[1]["source"] == "store" and result.recoveries[1]["backlog"] > 0
     # The user's module now holds the committed weights, and they learned the task.
-    assert torch.equal(flatten(list(model.parameters())), result.weights)
+    assert torch.equal(flatten(model.parameters()), result.weights)
     assert not torch.equal(initial, result.weights)
     model.eval()
     with torch.no_grad():

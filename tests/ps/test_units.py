@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import socket
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 from stalwart.errors import ConfigurationError, RunDirectoryError, StoreUnavailableError
 from stalwart.ps.config import KillEvent, PSConfig
 from stalwart.ps.failure import FailureInjector
-from stalwart.ps.runner import run_training
+from stalwart.ps.runner import PSRun, run_training
 from stalwart.ps.store import KeyValueStore, RetryingStore
 from stalwart.ps.update import apply_update, backlog_scale, gradient_sum
 from stalwart.ps.wire import pack, unpack, vector_view
@@ -66,6 +68,28 @@ def test_run_directory_in_use_is_refused(tmp_path):
     with pytest.raises(RunDirectoryError, match="not empty"):
         run_training(PSConfig(run_dir=str(tmp_path)))
     assert (tmp_path / "checkpoint.pt").read_bytes() == b"someone else's"
+
+
+def test_a_run_leaves_the_callers_config_unchanged_and_stops_the_store(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = PSConfig(mode="stateless", workers=1, steps=20, hidden=32, run_dir="run")
+    before = dataclasses.replace(config, kills=list(config.kills))
+    runs: list[PSRun] = []
+
+    def keep(run: PSRun) -> None:
+        if not runs:
+            runs.append(run)
+
+    result = run_training(config, hook=keep)
+    assert config == before  # relative run_dir, no store address: as the caller wrote it
+    assert result.config is not config
+    assert result.config.run_dir == str(tmp_path / "run")
+    assert result.config.store_address is not None and config.store_address is None
+    assert result.produced == result.applied == 20
+    # Every child is gone; the embedded store left cleanly on SIGTERM (exit code 0).
+    (run,) = runs
+    assert all(proc.exit_code is not None for proc in run.procs.values())
+    assert run.procs[run.store_pid].exit_code == 0
 
 
 def test_backlog_scale_merges_a_large_backlog_as_the_mean_of_the_workers_trajectories():
@@ -126,15 +150,17 @@ class _FlakyStore(KeyValueStore):
         self.data.pop(key, None)
 
 
-def test_retrying_store_backs_off_then_recovers(capsys):
+def test_retrying_store_backs_off_then_recovers(caplog):
     _FlakyStore.attempts = 0
-    store = RetryingStore(lambda: _FlakyStore(3), patience=5, first_delay=0.01, name="w0")
+    with caplog.at_level(logging.WARNING, logger="stalwart.ps.store"):
+        store = RetryingStore(lambda: _FlakyStore(3), patience=5, first_delay=0.01, name="w0")
     store.set("k", b"v")
     assert store.get("k") == b"v"
     assert store.retries == 3
-    err = capsys.readouterr().err
+    err = caplog.text
     assert "retry 1 in 0.01s" in err and "retry 3 in 0.04s" in err  # doubling backoff
     assert "answers again" in err
+    assert all(record.levelno == logging.WARNING for record in caplog.records)
 
 
 def test_retrying_store_gives_up_after_its_patience():

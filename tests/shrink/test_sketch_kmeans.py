@@ -3,11 +3,13 @@
 import math
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.cluster import KMeans
 
+from stalwart.shrink.kmeans import assign_sorted, weighted_kmeans_1d
 from stalwart.shrink.partition import QuantConfig
 from stalwart.shrink.quantize import FIRST_LEVEL, TensorAnalysis
 from stalwart.shrink.sketch import LogSketch
@@ -70,3 +72,22 @@ def test_approximate_kmeans_matches_exact_on_separated_mixtures(k, n, seed):
     # Either way, every element sits with the elements of its own mixture component.
     for component in np.unique(labels):
         assert np.unique(approximate[labels == component]).size == 1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kmeans_inertia_within_one_percent_of_sklearn_on_weight_like_data(seed):
+    """Overlapping clusters, as trained weights have: a Laplace peak on a wider Gaussian, no
+    gaps for k-means to find. Lloyd's local optima are the risk here, not separation."""
+    rng = np.random.default_rng(seed)
+    n = 50_000
+    values = np.concatenate([rng.laplace(0.0, 0.02, n // 2), rng.normal(0.01, 0.05, n - n // 2)])
+    rng.shuffle(values)
+    centroids = weighted_kmeans_1d(
+        torch.from_numpy(values), torch.ones(n, dtype=torch.float64), 16
+    ).numpy()
+    assert centroids.size == 16 and np.all(np.diff(centroids) > 0)
+    cluster = assign_sorted(torch.from_numpy(values), torch.from_numpy(centroids)).numpy()
+    nearest = centroids[cluster]
+    ours = float(np.square(values - nearest).sum())
+    exact = KMeans(16, n_init=5, random_state=seed).fit(values.reshape(-1, 1)).inertia_
+    assert ours <= 1.01 * exact, f"inertia {ours:.6g} vs scikit-learn's {exact:.6g}"

@@ -1,0 +1,174 @@
+"""Every use of Lightning's private API in stalwart, in one place, for the tested Lightning range.
+
+The adapters use Lightning's public hooks wherever one exists. What follows has no public
+equivalent, and each function says what it needs and why:
+
+- the complete checkpoint as a dict in memory (the hindsight materializer forks and writes it in
+  the background; ``trainer.save_checkpoint`` only writes a file in the foreground);
+- the one exact resume point after an epoch (after the module's own epoch-end hook and the
+  epoch-interval LR step, where no callback hook runs);
+- the hook a ``self.log`` call came from, and every raw ``self.log`` call (loggers only see
+  reduced values);
+- a replayed epoch whose training batches are restored instead of run, and the loop counters it
+  restores.
+
+``pyproject.toml`` bounds Lightning to the range these were written against, and
+``tests/callbacks/test_lightning_internals.py`` fails loudly, naming the attribute, when an
+installed Lightning no longer has one of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+#: The fit loop's progress trackers an epoch's checkpoint restores (keys of its ``loops`` state).
+LOOP_PROGRESS_KEYS = (
+    "epoch_loop.batch_progress",
+    "epoch_loop.automatic_optimization.optim_progress",
+    "epoch_loop.manual_optimization.optim_step_progress",
+    "epoch_loop.scheduler_progress",
+)
+
+
+def dump_checkpoint(trainer: Trainer) -> dict[str, Any]:
+    """Everything ``trainer.save_checkpoint`` would write, as a dict, without writing it."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def hook_epoch_boundary(
+    trainer: Trainer, on_end: Callable[[], None], on_error: Callable[[], None]
+) -> None:
+    """Call ``on_end`` each time the fit loop has completely finished an epoch.
+
+    Lightning's ``on_train_epoch_end`` callback hooks run before the module's own and before the
+    epoch-interval LR step, and the next ``on_train_epoch_start`` sees loop counters that a
+    restart reads as a later epoch; the fit loop's ``on_advance_end`` is the one point where the
+    state is whole. It is wrapped on this trainer's loop until :func:`unhook_epoch_boundary`.
+    ``on_error`` runs instead when the epoch end raised (except for SIGTERM, raised once the
+    epoch completed: then ``on_end`` runs and the signal propagates).
+    """
+    loop = trainer.fit_loop
+    advance_end = loop.on_advance_end
+
+    def on_advance_end() -> None:
+        try:
+            advance_end()
+        except SIGTERMException:
+            on_end()
+            raise
+        except BaseException:
+            on_error()
+            raise
+        on_end()
+
+    loop.on_advance_end = on_advance_end
+
+
+def unhook_epoch_boundary(trainer: Trainer) -> None:
+    vars(trainer.fit_loop).pop("on_advance_end", None)
+
+
+def is_last_batch(trainer: Trainer) -> bool:
+    """Whether the training batch that just ended is the epoch's last (iterable data included)."""
+    return trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+
+
+def current_hook(pl_module: LightningModule) -> str | None:
+    """The LightningModule or callback hook running now (where a ``self.log`` call came from)."""
+    return pl_module._current_fx_name
+
+
+def intercept_log(pl_module: LightningModule, seen: Callable[..., None]) -> None:
+    """Call ``seen(name, value)`` on every ``pl_module.log`` (and so ``log_dict``) call.
+
+    Lightning's loggers receive values reduced per step or epoch; a record keeps every call. The
+    module instance's ``log`` is shadowed until :func:`release_log`; the class is untouched.
+    """
+    original = pl_module.log
+
+    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        seen(name, value)
+        return original(name, value, *args, **kwargs)
+
+    pl_module.log = log
+
+
+def release_log(pl_module: LightningModule) -> None:
+    vars(pl_module).pop("log", None)
+
+
+@contextlib.contextmanager
+def silenced_log(pl_module: LightningModule) -> Iterator[None]:
+    """Run ``training_step`` outside the loop (to score a checkpoint): its logging is dropped.
+
+    Called outside a hook, Lightning's ``log`` raises; these values belong to no step anyway.
+    """
+    silent = lambda *args, **kwargs: None  # noqa: E731
+    pl_module.log, pl_module.log_dict = silent, silent
+    try:
+        yield
+    finally:
+        vars(pl_module).pop("log", None)
+        vars(pl_module).pop("log_dict", None)
+
+
+def replace_epoch_batches(
+    trainer: Trainer, skip: Callable[[int], bool], restore: Callable[[int], None]
+) -> None:
+    """Epochs for which ``skip(epoch)`` holds run no training batch: ``restore(epoch)`` puts the
+    state they would have produced in place, then validation runs as the epoch loop runs it
+    after its last batch (the epoch-end hooks and LR step follow as usual).
+
+    The training epoch loop's ``run`` is wrapped on this trainer until
+    :func:`release_epoch_batches`.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    run_batches = epoch_loop.run
+
+    def run(data_fetcher: Any) -> None:
+        epoch = trainer.current_epoch
+        if not skip(epoch):
+            return run_batches(data_fetcher)
+        restore(epoch)
+        if epoch_loop._should_check_val_epoch() and trainer.limit_val_batches != 0:
+            trainer.validating = True
+            epoch_loop.val_loop.run()
+            trainer.training = True
+        return None
+
+    epoch_loop.run = run
+
+
+def release_epoch_batches(trainer: Trainer) -> None:
+    vars(trainer.fit_loop.epoch_loop).pop("run", None)
+
+
+def restore_loop_progress(trainer: Trainer, fit_loop_state: dict[str, Any]) -> None:
+    """Set the training epoch loop's counters from a checkpoint's ``loops["fit_loop"]`` state,
+    as they were after the epoch's last batch (before the epoch loop itself advanced)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    batch, optim, manual, scheduler = LOOP_PROGRESS_KEYS
+    epoch_loop.batch_progress.load_state_dict(fit_loop_state[batch])
+    epoch_loop.automatic_optimization.optim_progress.load_state_dict(fit_loop_state[optim])
+    epoch_loop.manual_optimization.optim_step_progress.load_state_dict(fit_loop_state[manual])
+    epoch_loop.scheduler_progress.load_state_dict(fit_loop_state[scheduler])
+    steps = fit_loop_state["epoch_loop.state_dict"]["_batches_that_stepped"]
+    epoch_loop._batches_that_stepped = steps
+
+
+def detached_copy(obj: Any) -> Any:
+    """A deep copy of a LightningModule or data module without the Trainer it is attached to."""
+    if obj is None:
+        return None
+    trainer = getattr(obj, "_trainer", None)
+    obj._trainer = None
+    try:
+        return copy.deepcopy(obj)
+    finally:
+        obj._trainer = trainer

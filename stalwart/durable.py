@@ -1,0 +1,236 @@
+"""Durable files: atomic writes with a CRC-32, and reads that detect a torn or changed file.
+
+Every file stalwart writes goes through here. A write goes to a hidden temp name in the target's
+directory, is fsynced, renamed into place and the directory fsynced, so a crash (SIGKILL, power
+loss) at any moment leaves either the previous file or the new one, never half of one; the
+temp file a killed writer leaves behind is never read as data.
+
+A reader learns what the file should be in one of two ways:
+
+- from an index the writer updated with the :class:`WrittenFile` it got back (hindsight keeps
+  size and CRC-32 in its SQLite store), checked by :func:`verify_file`; the file itself stays a
+  plain ``torch.save`` archive that ``torch.load`` and Lightning's ``ckpt_path=`` read;
+- from a *seal*, a 16-byte trailer (payload size, CRC-32, magic) appended by
+  ``write_atomic(..., seal=True)`` and checked by :func:`read_sealed`, for files nothing else
+  indexes (the parameter server's checkpoint, the pipeline's stage files).
+
+Example::
+
+    from stalwart import durable
+
+    durable.save_torch({"w": weights}, "run/checkpoint.pt")   # sealed, atomic
+    state = durable.load_torch("run/checkpoint.pt")            # CorruptCheckpointError if torn
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from stalwart.errors import CorruptCheckpointError
+
+TEMP_MARKER = ".tmp-"
+# payload size, CRC-32 of the payload, magic: what read_sealed checks before trusting a byte.
+_SEAL = struct.Struct("<QI4s")
+_SEAL_MAGIC = b"STWs"
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """What the writer knows once a file is durably in place.
+
+    Attributes:
+        path: the final path.
+        nbytes: bytes of the payload (without the seal, if any).
+        crc32: CRC-32 of the payload.
+        seconds: wall time of the whole write, fsyncs included.
+    """
+
+    path: str
+    nbytes: int
+    crc32: int
+    seconds: float
+
+
+class _ChecksummingWriter:
+    """A write-only file wrapper that counts bytes and folds them into a CRC-32 as they pass."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self._raw = raw
+        self.nbytes = 0
+        self.crc32 = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.crc32 = zlib.crc32(view, self.crc32)
+        self.nbytes += view.nbytes
+        return self._raw.write(view)
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+def temp_path_for(path: str | os.PathLike) -> Path:
+    """The hidden name a file is written under before it is renamed into place."""
+    path = Path(path)
+    return path.with_name(f".{path.name}{TEMP_MARKER}{os.getpid()}")
+
+
+def is_temp(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a temp file a (possibly killed) writer left, not data."""
+    name = Path(path).name
+    return name.startswith(".") and TEMP_MARKER in name
+
+
+def fsync_directory(directory: str | os.PathLike) -> None:
+    """Make a rename in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(
+    path: str | os.PathLike,
+    content: bytes | Callable[[BinaryIO], Any],
+    *,
+    seal: bool = False,
+) -> WrittenFile:
+    """Write ``content`` to ``path`` atomically and durably.
+
+    Args:
+        path: the final path; its directory must exist.
+        content: the bytes, or a function that writes them to the file object it is given
+            (e.g. ``lambda f: torch.save(obj, f)``), so large payloads stream.
+        seal: append a trailer with the payload's size and CRC-32 for :func:`read_sealed`.
+
+    Returns:
+        The :class:`WrittenFile`; keep ``nbytes`` and ``crc32`` to verify an unsealed file.
+    """
+    start = time.perf_counter()
+    final = Path(path)
+    temp = temp_path_for(final)
+    try:
+        with open(temp, "wb") as raw:
+            writer = _ChecksummingWriter(raw)
+            if isinstance(content, (bytes, bytearray, memoryview)):
+                writer.write(content)
+            else:
+                content(writer)
+            if seal:
+                raw.write(_SEAL.pack(writer.nbytes, writer.crc32, _SEAL_MAGIC))
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(temp, final)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    fsync_directory(final.parent)
+    return WrittenFile(str(final), writer.nbytes, writer.crc32, time.perf_counter() - start)
+
+
+def write_text(path: str | os.PathLike, text: str, *, seal: bool = False) -> WrittenFile:
+    """:func:`write_atomic` of UTF-8 text."""
+    return write_atomic(path, text.encode(), seal=seal)
+
+
+def write_json(path: str | os.PathLike, data: Any) -> WrittenFile:
+    """:func:`write_atomic` of ``data`` as JSON (unsealed: any JSON reader can read it)."""
+    return write_atomic(path, json.dumps(data).encode())
+
+
+def _missing(path: Path) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path} is missing; use an earlier file or start over.")
+
+
+def verify_file(path: str | os.PathLike, nbytes: int, crc32: int) -> bytes:
+    """Read ``path`` whole and check it against the size and CRC-32 its writer recorded.
+
+    Raises:
+        CorruptCheckpointError: the file is missing, truncated or changed.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise _missing(path) from None
+    if len(data) != nbytes or zlib.crc32(data) != crc32:
+        raise CorruptCheckpointError(
+            f"{path} is corrupted: expected {nbytes} bytes with CRC-32 {crc32:#010x}, found "
+            f"{len(data)} bytes with CRC-32 {zlib.crc32(data):#010x}. It was changed or "
+            "truncated after it was written; use an earlier file."
+        )
+    return data
+
+
+def read_sealed(path: str | os.PathLike) -> bytes:
+    """The payload of a file written with ``seal=True``, after checking its trailer.
+
+    Raises:
+        CorruptCheckpointError: the file is missing, has no seal (torn, or not written by
+            :func:`write_atomic`), or its size or CRC-32 does not match the seal.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise _missing(path) from None
+    if len(data) < _SEAL.size:
+        raise CorruptCheckpointError(f"{path} is torn: {len(data)} bytes, shorter than its seal.")
+    nbytes, crc, magic = _SEAL.unpack_from(data, len(data) - _SEAL.size)
+    payload = memoryview(data)[: len(data) - _SEAL.size]
+    if magic != _SEAL_MAGIC or nbytes != len(payload) or zlib.crc32(payload) != crc:
+        raise CorruptCheckpointError(
+            f"{path} is torn or corrupted: its seal does not match its {len(payload)} bytes. "
+            "Delete it to fall back to an earlier file, or start over."
+        )
+    return payload.tobytes()
+
+
+def has_seal(path: str | os.PathLike) -> bool:
+    """Whether ``path`` exists and ends in a seal that matches its length.
+
+    A cheap completeness check (the 16-byte trailer only, no CRC) for choosing among many
+    files, e.g. the newest complete checkpoint; :func:`read_sealed` verifies every byte.
+    """
+    try:
+        with open(path, "rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            if size < _SEAL.size:
+                return False
+            handle.seek(size - _SEAL.size)
+            nbytes, _, magic = _SEAL.unpack(handle.read(_SEAL.size))
+    except FileNotFoundError:
+        return False
+    return magic == _SEAL_MAGIC and nbytes == size - _SEAL.size
+
+
+def save_torch(obj: Any, path: str | os.PathLike, *, seal: bool = True) -> WrittenFile:
+    """``torch.save`` ``obj`` to ``path`` through :func:`write_atomic` (sealed by default)."""
+    return write_atomic(path, lambda handle: torch.save(obj, handle), seal=seal)
+
+
+def load_torch(
+    path: str | os.PathLike, map_location: Any = "cpu", *, weights_only: bool = True
+) -> Any:
+    """Load a file written by :func:`save_torch` with ``seal=True``; verified before unpickling.
+
+    Raises:
+        CorruptCheckpointError: torn, changed or undeserializable.
+    """
+    payload = read_sealed(path)
+    try:
+        return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=weights_only)
+    except Exception as exc:  # the seal matched, so the writer wrote something unreadable
+        raise CorruptCheckpointError(f"{path} cannot be deserialized: {exc}") from exc

@@ -1,0 +1,176 @@
+"""The private Lightning API in ``stalwart/callbacks/lightning_internals.py`` exists, and behaves
+as that module relies on, in the installed Lightning; the dependency is bounded to this range.
+
+A failure here names what changed: update the internals module (and its tested range in
+``pyproject.toml`` and ``constraints.txt``), never the adapters.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+from pathlib import Path
+
+import lightning as L
+import pytest
+import tomllib
+import torch
+from digits import DigitsClassifier, DigitsDataModule
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from stalwart.callbacks import lightning_internals as internals
+from stalwart.callbacks.shrink import SAVING_HOOKS, ShrinkCheckpoint
+from tests.helpers import QUIET
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bound(text: str) -> Requirement:
+    return next(req for req in map(Requirement, text) if req.name == "lightning")
+
+
+def test_lightning_is_bounded_to_the_installed_tested_range():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = _bound(project["dependencies"])
+    constrained = _bound(
+        line for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    )  # fmt: skip
+    installed = Version(importlib.metadata.version("lightning"))
+    assert declared.specifier == constrained.specifier
+    assert installed in declared.specifier, f"lightning {installed} is outside {declared}"
+    # An upper bound: a new minor release must be tested here before users get it.
+    assert any(spec.operator in ("<", "<=", "==", "~=") for spec in declared.specifier)
+
+
+def _params(fn) -> list[str]:
+    return [p for p in inspect.signature(fn).parameters if p != "self"]
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    """A Trainer after one epoch, and the fit loop's state at the epoch boundary."""
+    seen: dict = {}
+
+    class AtBoundary(Callback):
+        def setup(self, trainer, pl_module, stage):
+            internals.hook_epoch_boundary(
+                trainer,
+                on_end=lambda: seen.setdefault("checkpoint", internals.dump_checkpoint(trainer)),
+                on_error=lambda: None,
+            )
+
+    trainer = L.Trainer(max_epochs=1, callbacks=[AtBoundary()], **QUIET)
+    trainer.fit(DigitsClassifier(width=8), DigitsDataModule(batch_size=500))
+    return trainer, seen["checkpoint"]
+
+
+def test_private_attributes_the_internals_use_exist(fitted):
+    trainer, _ = fitted
+    missing = []
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    if connector is None or "weights_only" not in _params(connector.dump_checkpoint):
+        missing.append("Trainer._checkpoint_connector.dump_checkpoint(weights_only=...)")
+    loop = trainer.fit_loop
+    if _params(loop.on_advance_end):
+        missing.append("_FitLoop.on_advance_end() taking no argument")
+    epoch_loop = loop.epoch_loop
+    if _params(epoch_loop.run) != ["data_fetcher"]:
+        missing.append("_TrainingEpochLoop.run(data_fetcher)")
+    for name in ("_should_check_val_epoch", "_batches_that_stepped", "val_loop", "batch_progress"):
+        if not hasattr(epoch_loop, name):
+            missing.append(f"_TrainingEpochLoop.{name}")
+    if not hasattr(epoch_loop.val_loop, "run"):
+        missing.append("_EvaluationLoop.run")
+    if not hasattr(epoch_loop.batch_progress, "is_last_batch"):
+        missing.append("_BatchProgress.is_last_batch")
+    trackers = {
+        "epoch_loop.batch_progress": epoch_loop.batch_progress,
+        "epoch_loop.automatic_optimization.optim_progress": (
+            epoch_loop.automatic_optimization.optim_progress
+        ),
+        "epoch_loop.manual_optimization.optim_step_progress": (
+            epoch_loop.manual_optimization.optim_step_progress
+        ),
+        "epoch_loop.scheduler_progress": epoch_loop.scheduler_progress,
+    }
+    assert tuple(trackers) == internals.LOOP_PROGRESS_KEYS
+    missing += [
+        f"{key}.load_state_dict" for key, t in trackers.items() if not hasattr(t, "load_state_dict")
+    ]
+    module = DigitsClassifier(width=8)
+    for name in ("_current_fx_name", "_trainer"):
+        if name not in vars(module):
+            missing.append(f"LightningModule.{name}")
+    assert missing == [], f"Lightning {L.__version__} changed: {missing}"
+
+
+def test_an_epoch_checkpoint_holds_the_loop_state_restore_reads(fitted):
+    _, checkpoint = fitted
+    fit_loop = checkpoint["loops"]["fit_loop"]
+    for key in internals.LOOP_PROGRESS_KEYS:
+        assert key in fit_loop, key
+    assert "_batches_that_stepped" in fit_loop["epoch_loop.state_dict"]
+
+
+def test_the_epoch_boundary_comes_after_the_module_hook_and_the_plateau_lr_step():
+    order: list[tuple] = []
+
+    def lr(trainer) -> float:
+        return trainer.optimizers[0].param_groups[0]["lr"]
+
+    class Module(DigitsClassifier):
+        def training_step(self, batch, batch_idx):
+            self.log("constant", 1.0)  # never improves: the plateau scheduler halves the LR
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
+                optimizer, factor=0.5, patience=0, threshold=0
+            )
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": plateau, "monitor": "constant"},
+            }
+
+        def on_train_epoch_end(self):
+            order.append(("module", lr(self.trainer)))
+
+    class Boundary(Callback):
+        def setup(self, trainer, pl_module, stage):
+            completed = lambda: trainer.fit_loop.epoch_progress.current.completed  # noqa: E731
+            internals.hook_epoch_boundary(
+                trainer,
+                on_end=lambda: order.append(("boundary", lr(trainer), completed())),
+                on_error=lambda: order.append(("error",)),
+            )
+
+        def teardown(self, trainer, pl_module, stage):
+            internals.unhook_epoch_boundary(trainer)
+            assert "on_advance_end" not in vars(trainer.fit_loop)
+
+    trainer = L.Trainer(max_epochs=2, callbacks=[Boundary()], **QUIET)
+    trainer.fit(Module(width=8), DigitsDataModule(batch_size=500))
+    # After the module's own epoch-end hook and the plateau step, with the epoch counted done.
+    assert order == [
+        ("module", 0.1), ("boundary", 0.1, 1), ("module", 0.1), ("boundary", 0.05, 2)
+    ]  # fmt: skip
+
+
+def test_every_model_checkpoint_hook_that_saves_is_one_shrink_checkpoint_wraps():
+    hooks = [
+        name for name in vars(ModelCheckpoint)
+        if name.startswith("on_") and callable(getattr(Callback, name, None))
+    ]  # fmt: skip
+    saving = {
+        name for name in hooks if "_save_" in inspect.getsource(getattr(ModelCheckpoint, name))
+    }
+    assert saving <= set(SAVING_HOOKS), (
+        f"ModelCheckpoint now also saves in {saving - set(SAVING_HOOKS)}"
+    )
+    for name in SAVING_HOOKS:
+        assert name in vars(ShrinkCheckpoint), name
+        assert _params(getattr(ShrinkCheckpoint, name)) == _params(getattr(ModelCheckpoint, name))

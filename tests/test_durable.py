@@ -1,0 +1,110 @@
+"""stalwart.durable: atomic writes, seals, and the checks that catch a torn or changed file."""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import pytest
+import torch
+
+from stalwart import durable
+from stalwart.errors import CorruptCheckpointError
+
+
+def test_sealed_torch_round_trip(tmp_path):
+    path = tmp_path / "state.pt"
+    state = {"w": torch.arange(1000, dtype=torch.float32), "step": 7}
+    written = durable.save_torch(state, path)
+    loaded = durable.load_torch(path)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 7
+    # The seal is 16 bytes after the payload; size and CRC-32 are the payload's.
+    payload = durable.read_sealed(path)
+    assert path.stat().st_size == written.nbytes + 16
+    assert (len(payload), zlib.crc32(payload)) == (written.nbytes, written.crc32)
+    assert written.path == str(path) and written.seconds > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]
+
+
+def test_unsealed_file_is_plain_and_verified_against_its_record(tmp_path):
+    path = tmp_path / "plain.pt"
+    written = durable.save_torch({"w": torch.ones(10)}, path, seal=False)
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(10))
+    data = durable.verify_file(path, written.nbytes, written.crc32)
+    assert data == path.read_bytes() and len(data) == written.nbytes
+    with pytest.raises(CorruptCheckpointError, match="expected .* bytes"):
+        durable.verify_file(path, written.nbytes + 1, written.crc32)
+    with pytest.raises(CorruptCheckpointError, match="CRC-32"):
+        durable.verify_file(path, written.nbytes, written.crc32 ^ 1)
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        durable.verify_file(tmp_path / "gone.pt", written.nbytes, written.crc32)
+    # A plain file has no seal: read as sealed, it is refused rather than trusted.
+    with pytest.raises(CorruptCheckpointError):
+        durable.load_torch(path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bit-flipped", "seal-only", "empty"])
+def test_torn_or_changed_sealed_file_is_detected(tmp_path, damage):
+    path = tmp_path / "state.pt"
+    durable.save_torch({"w": torch.randn(4096)}, path)
+    data = bytearray(path.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "bit-flipped":
+        data[len(data) // 3] ^= 0x10
+    elif damage == "seal-only":
+        data = data[-16:]
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=str(path)):
+        durable.load_torch(path)
+    with pytest.raises(CorruptCheckpointError):
+        durable.read_sealed(path)
+
+
+def test_missing_sealed_file_is_named(tmp_path):
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        durable.load_torch(tmp_path / "nothing.pt")
+
+
+def test_a_failing_writer_leaves_the_previous_file_and_no_temp(tmp_path):
+    path = tmp_path / "state.bin"
+    durable.write_atomic(path, b"previous", seal=True)
+
+    def half_then_fail(handle) -> None:
+        handle.write(b"new bytes that never land")
+        raise RuntimeError("serializer failed")
+
+    with pytest.raises(RuntimeError, match="serializer failed"):
+        durable.write_atomic(path, half_then_fail, seal=True)
+    assert durable.read_sealed(path) == b"previous"
+    assert [p.name for p in tmp_path.iterdir()] == ["state.bin"]
+
+
+def test_streaming_writer_counts_every_byte(tmp_path):
+    chunks = [b"a" * 10, memoryview(b"bc"), bytearray(b"def")]
+
+    def write(handle) -> None:
+        for chunk in chunks:
+            handle.write(chunk)
+
+    written = durable.write_atomic(tmp_path / "f", write)
+    whole = b"".join(bytes(c) for c in chunks)
+    assert (tmp_path / "f").read_bytes() == whole
+    assert (written.nbytes, written.crc32) == (len(whole), zlib.crc32(whole))
+
+
+def test_text_and_json_are_plain_files(tmp_path):
+    durable.write_text(tmp_path / "port", "29500")
+    assert (tmp_path / "port").read_text() == "29500"
+    durable.write_json(tmp_path / "names.json", ["a", "b"])
+    assert json.loads((tmp_path / "names.json").read_text()) == ["a", "b"]
+
+
+def test_temp_names_are_hidden_and_recognised(tmp_path):
+    temp = durable.temp_path_for(tmp_path / "epoch=3.ckpt")
+    assert temp.parent == tmp_path and temp.name.startswith(".epoch=3.ckpt")
+    assert durable.is_temp(temp)
+    assert not durable.is_temp(tmp_path / "epoch=3.ckpt")
+    assert not durable.is_temp(tmp_path / ".hidden")  # a dot file that is no temp file
