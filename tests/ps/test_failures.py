@@ -141,9 +141,11 @@ def test_checkpoint_mode_loses_exactly_the_updates_since_the_last_checkpoint(tmp
     def inspect(run, result):
         event = result.recoveries[1]
         audit["event"] = event
-        # The last update the killed incarnation committed.
+        # The last update the killed incarnation committed: its log record and its state are two
+        # writes, and a kill between them leaves a record whose state never landed.
         last = event["version"]
-        while run.store.get(layout.log(f"1/{last + 1}")) is not None:
+        while all(run.store.get(key(f"1/{last + 1}")) is not None
+                  for key in (layout.log, layout.state)):  # fmt: skip
             last += 1
         audit["last"] = last
         audit["before_kill"] = state_weights(run.store, f"1/{last}")
