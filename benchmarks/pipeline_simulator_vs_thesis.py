@@ -143,20 +143,14 @@ def main() -> None:
     if args.out:
         fig = value_figure(bamboo + checkpoint, args.runs)
         value, _, fatal = fig.axes
-        value.plot(
-            PROBABILITIES,
-            [TABLE_3_3[p][6] for p in PROBABILITIES],
-            "x:",
-            color="gray",
-            label="Bamboo, thesis Table 3.3",
-        )
-        fatal.plot(
-            PROBABILITIES,
-            [TABLE_3_3[p][2] for p in PROBABILITIES],
-            "x:",
-            color="gray",
-            label="Bamboo, thesis Table 3.3",
-        )
+        for axis, column in ((value, 6), (fatal, 2)):  # Table 3.3's value and fatal columns
+            axis.plot(
+                PROBABILITIES,
+                [TABLE_3_3[p][column] for p in PROBABILITIES],
+                "x:",
+                color="gray",
+                label="Bamboo, thesis Table 3.3",
+            )
         print(f"wrote {save_png(fig, args.out)}")
     print(f"{time.monotonic() - started:.0f} s")
 
