@@ -1,9 +1,13 @@
 """How fast is the shrink codec, and what does it cost a training run?
 
-Part 1 (codec): 100M fp32 parameters (ten 10M-element tensors with layer-like spreads) encoded
+Part 1 (codec): 100M fp32 parameters (ten 2500x4000 matrices with layer-like spreads) encoded
 at one configuration — sketch, k-means, assignment, delta, entropy coding, file write — as a
-keyframe and as a delta on it, then decoded, for each entropy coder side by side.
-Target: encode < 30 s, decode < 10 s on a 2-core CPU.
+keyframe and as a delta on it, then decoded, for each entropy coder side by side. With
+``--whole`` (the default) each checkpoint also carries the Adam state of those parameters (two
+moments + step, ~1.2 GB in all with the weights), stored as ``compress_optimizer="auto"`` stores
+it when its continuation check accepts the first rung (pruned first moment, factored second), and
+then losslessly (byte-grouped) for the floor; decode returns weights and optimizer state.
+Targets: whole checkpoint (~1.2 GB) encode <= 40 s, decode <= 15 s on a 2-core CPU.
 
 Part 2 (overhead): the stdlib character transformer, first trained briefly without
 ShrinkCheckpoint (the plain batch time), then with it, saving one checkpoint per ~60 s of training
@@ -13,7 +17,7 @@ that one run: compression seconds (search included) / training seconds, and the 
 outside and inside the gradient window against plain training. Target: <= 2%, throughput outside
 the window unchanged. The PASS/FAIL line is the measured in-run share, never an extrapolation.
 
-    .venv/bin/python benchmarks/shrink_speed.py --skip-overhead   # codec only (~3 min)
+    .venv/bin/python benchmarks/shrink_speed.py --skip-overhead --coders auto   # codec only
     .venv/bin/python benchmarks/shrink_speed.py --skip-codec      # overhead only (~12 min)
     .venv/bin/python benchmarks/shrink_speed.py --params 10_000_000 --checkpoints 2   # quick
     .venv/bin/python benchmarks/shrink_speed.py --throughput-ab 3   # batch time A/B (~4 min)
@@ -37,37 +41,76 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 CONFIG = QuantConfig(bins=16, prune=0.1, prune_metric="magnitude", protect=0.005)
 
 
-def codec(params: int, coders: list[str], threads: int) -> None:
+def adam_state(weights: dict[str, torch.Tensor], generator: torch.Generator) -> dict:
+    """An Adam ``state_dict()`` for ``weights`` late in training: a signed first moment around
+    the gradient scale, a positive second moment spanning octaves, as a trained Adam's are."""
+    state = {}
+    for index, weight in enumerate(weights.values()):
+        grad_scale = 1e-3 * torch.rand(weight.shape[0], 1, generator=generator)
+        state[index] = {
+            "step": torch.tensor(1000.0),
+            "exp_avg": grad_scale * torch.randn(weight.shape, generator=generator),
+            "exp_avg_sq": (grad_scale * torch.randn(weight.shape, generator=generator)) ** 2,
+        }
+    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+             "amsgrad": False, "params": list(range(len(weights)))}  # fmt: skip
+    return {"state": state, "param_groups": [group]}
+
+
+def codec(params: int, coders: list[str], threads: int, whole: bool) -> None:
     torch.set_num_threads(threads)
     generator = torch.Generator().manual_seed(0)
     per = params // 10
+    rows = max(1, round((per * 0.625) ** 0.5))  # 2500 x 4000 at 10M
+    shape = (rows, per // rows)
     weights = {
-        f"layer{i}.weight": torch.randn(per, generator=generator) * (0.02 * (1 + i % 3))
+        f"layer{i}.weight": torch.randn(shape, generator=generator) * (0.02 * (1 + i % 3))
         for i in range(10)
     }
     # The next checkpoint: a small step, as between two epochs late in training.
     moved = {k: v + 0.002 * torch.randn(v.shape, generator=generator) for k, v in weights.items()}
-    print(f"codec: {params / 1e6:.0f}M fp32 parameters, config {CONFIG}, {threads} threads")
-    print(f"{'coder':11} {'kf enc s':>9} {'kf ratio':>9} {'delta enc s':>12} {'delta ratio':>12} "
-          f"{'kf dec s':>9} {'chain dec s':>12}")  # fmt: skip
+    variants = [("weights", None)]
+    if whole:
+        optimizer = {"optimizer": adam_state(weights, generator)}
+        shapes = [{i: w.shape for i, w in enumerate(weights.values())}]
+        variants = [("+Adam auto", "auto"), ("+Adam lossless", "lossless")]
+    n = sum(w.numel() for w in weights.values())
+    print(f"codec: {n / 1e6:.0f}M fp32 parameters ({len(weights)} x {shape[0]}x{shape[1]}), "
+          f"config {CONFIG}, {threads} threads")  # fmt: skip
+    print(f"{'coder':11} {'checkpoint':15} {'MB':>6} {'kf enc s':>9} {'kf ratio':>9} "
+          f"{'delta enc s':>12} {'delta ratio':>12} {'kf dec s':>9} {'chain dec s':>12}")
     with tempfile.TemporaryDirectory() as tmp:
         for coder in coders:
-            start = time.perf_counter()
-            key = shrink.save(weights, Path(tmp) / f"{coder}-0", config=CONFIG, coder=coder)
-            key_s = time.perf_counter() - start
-            start = time.perf_counter()
-            delta = shrink.save(
-                moved, Path(tmp) / f"{coder}-1", config=CONFIG, coder=coder, previous=key
-            )
-            delta_s = time.perf_counter() - start
-            start = time.perf_counter()
-            shrink.load(key.path)
-            key_dec = time.perf_counter() - start
-            start = time.perf_counter()
-            shrink.load(delta.path)  # decodes the keyframe, then the delta
-            chain_dec = time.perf_counter() - start
-            print(f"{coder:11} {key_s:9.1f} {key.ratio:8.1f}x {delta_s:12.1f} {delta.ratio:11.1f}x "
-                  f"{key_dec:9.1f} {chain_dec:12.1f}", flush=True)  # fmt: skip
+            for label, mode in variants:
+                kwargs = {}
+                if mode is not None:
+                    # The check "auto" runs is training (Part 2 times it); here it accepts the
+                    # first rung, so the codec's own cost of the most compressed form is timed.
+                    kwargs = dict(extra=optimizer, compress_optimizer=mode, parameter_shapes=shapes,
+                                  continue_training=lambda weights, states: 1.0)  # fmt: skip
+                name = f"{coder}-{mode}"
+                start = time.perf_counter()
+                key = shrink.save(weights, Path(tmp) / f"{name}-0", config=CONFIG, coder=coder,
+                                  **kwargs)  # fmt: skip
+                key_s = time.perf_counter() - start
+                start = time.perf_counter()
+                delta = shrink.save(moved, Path(tmp) / f"{name}-1", config=CONFIG, coder=coder,
+                                    previous=key, **kwargs)  # fmt: skip
+                delta_s = time.perf_counter() - start
+                start = time.perf_counter()
+                shrink.load_with_extra(key.path)
+                key_dec = time.perf_counter() - start
+                start = time.perf_counter()
+                shrink.load_with_extra(delta.path)  # decodes the keyframe, then the delta
+                chain_dec = time.perf_counter() - start
+                print(f"{coder:11} {label:15} {key.total_bytes / 1e6:6.0f} {key_s:9.1f} "
+                      f"{key.total_bytes / key.total_stored:8.1f}x {delta_s:12.1f} "
+                      f"{delta.total_bytes / delta.total_stored:11.1f}x {key_dec:9.1f} "
+                      f"{chain_dec:12.1f}", flush=True)  # fmt: skip
+                for path in Path(tmp).glob(f"{name}-*"):
+                    path.unlink()
+    if whole:
+        print("targets (whole checkpoint, ~1.2 GB at 100M): encode <= 40 s, decode <= 15 s")
 
 
 def overhead(seconds_per_checkpoint: float, checkpoints: int, calibration_steps: int) -> None:
@@ -220,6 +263,9 @@ def main() -> None:
     parser.add_argument("--seconds-per-checkpoint", type=float, default=60.0)
     parser.add_argument("--calibration-steps", type=int, default=40)
     parser.add_argument("--skip-codec", action="store_true")
+    parser.add_argument(
+        "--weights-only", action="store_true", help="codec: the weights alone, no Adam state"
+    )
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument(
         "--throughput-ab", type=int, default=0, metavar="BLOCKS",
@@ -230,7 +276,7 @@ def main() -> None:
         throughput_ab(150, args.throughput_ab)
         return
     if not args.skip_codec:
-        codec(args.params, args.coders.split(","), args.threads)
+        codec(args.params, args.coders.split(","), args.threads, not args.weights_only)
     if not args.skip_overhead:
         overhead(args.seconds_per_checkpoint, args.checkpoints, args.calibration_steps)
 

@@ -36,7 +36,7 @@ from stalwart.shrink.scoring import (
     live_evaluator,
     screening_batches,
 )
-from stalwart.shrink.search import DEFAULT_SCREEN_ACCEPT, ConfigSearch
+from stalwart.shrink.search import DEFAULT_SCREEN_ACCEPT, ConfigSearch, check_adapter_arguments
 
 
 def _total_loss(loss: Any) -> torch.Tensor:
@@ -116,16 +116,9 @@ class Shrink(Algorithm):
         grad_beta: float = 0.9,
         coder: str = DEFAULT_CODER,
     ) -> None:
-        if not tau >= 0:
-            raise ConfigurationError(f"tau is a relative degradation >= 0, got {tau}")
-        if eval_batches < 1:
-            raise ConfigurationError(f"eval_batches must be >= 1, got {eval_batches}")
-        if not 0.0 <= screen_fraction < 1.0:
-            raise ConfigurationError(f"screen_fraction must be in [0, 1), got {screen_fraction}")
-        if grad_window < 0:
-            raise ConfigurationError(f"grad_window must be >= 0, got {grad_window}")
-        if continue_steps < 1:
-            raise ConfigurationError(f"continue_steps must be >= 1, got {continue_steps}")
+        check_adapter_arguments(
+            tau, eval_batches, screen_fraction, grad_window, grad_beta, continue_steps
+        )
         self.writer = ChainWriter(
             tau=tau, keyframe_every=keyframe_every, compress_optimizer=compress_optimizer,
             coder=coder,

@@ -24,7 +24,7 @@ from stalwart.shrink.scoring import (
     live_evaluator,
     screening_batches,
 )
-from stalwart.shrink.search import DEFAULT_SCREEN_ACCEPT, ConfigSearch
+from stalwart.shrink.search import DEFAULT_SCREEN_ACCEPT, ConfigSearch, check_adapter_arguments
 
 #: The ``ModelCheckpoint`` hooks that save; each save they make is a shrunken one.
 SAVING_HOOKS = (
@@ -113,18 +113,9 @@ class ShrinkCheckpoint(ModelCheckpoint):
         save_top_k: int = -1,
         **kwargs: Any,
     ) -> None:
-        if not tau >= 0:
-            raise ConfigurationError(f"tau is a relative degradation >= 0, got {tau}")
-        if eval_batches < 1:
-            raise ConfigurationError(f"eval_batches must be >= 1, got {eval_batches}")
-        if not 0.0 <= screen_fraction < 1.0:
-            raise ConfigurationError(f"screen_fraction must be in [0, 1), got {screen_fraction}")
-        if grad_window < 0 or not 0.0 < grad_beta <= 1.0:
-            raise ConfigurationError(
-                f"grad_window must be >= 0 and grad_beta in (0, 1]; got {grad_window}, {grad_beta}"
-            )
-        if continue_steps < 1:
-            raise ConfigurationError(f"continue_steps must be >= 1, got {continue_steps}")
+        check_adapter_arguments(
+            tau, eval_batches, screen_fraction, grad_window, grad_beta, continue_steps
+        )
         #: Steps between saves (0: saves by epoch), for the gradient window.
         self._save_every_steps: int = kwargs.get("every_n_train_steps") or 0
         if self._save_every_steps:

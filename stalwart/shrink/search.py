@@ -71,6 +71,30 @@ def check_screen_accept(screen_accept: float) -> None:
         )
 
 
+def check_adapter_arguments(
+    tau: float,
+    eval_batches: int,
+    screen_fraction: float,
+    grad_window: int,
+    grad_beta: float,
+    continue_steps: int,
+) -> None:
+    """The checks ``ShrinkCheckpoint`` and Composer's ``Shrink`` share, made before either
+    creates anything: raise :class:`ConfigurationError` naming the first bad argument."""
+    if not tau >= 0:
+        raise ConfigurationError(f"tau is a relative degradation >= 0, got {tau}")
+    if eval_batches < 1:
+        raise ConfigurationError(f"eval_batches must be >= 1, got {eval_batches}")
+    if not 0.0 <= screen_fraction < 1.0:
+        raise ConfigurationError(f"screen_fraction must be in [0, 1), got {screen_fraction}")
+    if grad_window < 0 or not 0.0 < grad_beta <= 1.0:
+        raise ConfigurationError(
+            f"grad_window must be >= 0 and grad_beta in (0, 1]; got {grad_window}, {grad_beta}"
+        )
+    if continue_steps < 1:
+        raise ConfigurationError(f"continue_steps must be >= 1, got {continue_steps}")
+
+
 @dataclass
 class Trial:
     """One candidate's measurement. ``degradation`` decides ``feasible``: on the full scoring

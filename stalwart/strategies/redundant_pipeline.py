@@ -18,17 +18,17 @@ others carry on. Validation runs on the full model in the driver, which needs th
 in one process.
 
 What the step does not use: the LightningModule's ``training_step``. The pipeline computes
-``pipeline_loss(layers(x), y)`` (``pipeline_loss`` defaults to cross-entropy) on batches
-``(x, y, ...)``, and the strategy logs each step's loss as ``train_loss`` (on step, in the
-progress bar), which reaches the trainer's loggers every ``log_every_n_steps`` like any
-``self.log`` value. Lightning's Trainer refuses a module without a ``training_step``, so keep
-the single-process equivalent (it is what trains the module under any other strategy), but
-log nothing from it: its ``self.log`` calls would never run, and the strategy warns when it sees
-one. Log other per-step values from the module's (or a callback's) ``on_train_batch_end``,
-where ``outputs["loss"]`` is the pipeline's loss. The optimizer is the one
-``configure_optimizers`` returns (class and hyperparameters, one parameter group), rebuilt per
-stage on every owner and shadow; learning-rate schedulers, gradient clipping and gradient
-accumulation are refused with a clear error (the pipeline's micro-batches are its accumulation).
+``pipeline_loss(layers(x), y)`` (``pipeline_loss`` defaults to cross-entropy) on batches ``(x, y,
+...)``, and the strategy logs each step's loss as ``train_loss`` (on step, in the progress bar),
+which reaches the trainer's loggers every ``log_every_n_steps`` like any ``self.log`` value. The
+module needs no ``training_step`` (the strategy lends Lightning's check a placeholder for the
+length of ``fit`` and takes it back at teardown); one it has, kept for training under other
+strategies, should log nothing: its ``self.log`` calls would never run, and the strategy warns when
+it sees one. Log other per-step values from the module's (or a callback's) ``on_train_batch_end``,
+where ``outputs["loss"]`` is the pipeline's loss. The optimizer is the one ``configure_optimizers``
+returns (class and hyperparameters, one parameter group), rebuilt per stage on every owner and
+shadow; learning-rate schedulers, gradient clipping and gradient accumulation are refused with a
+clear error (the pipeline's micro-batches are its accumulation).
 
 Example:
     >>> strategy = RedundantPipelineStrategy(num_stages=4, num_microbatches=4)
@@ -48,6 +48,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import MethodType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -55,6 +56,7 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.optim import Optimizer
 
@@ -98,8 +100,16 @@ UNCALLED_TRAINING_STEP = (
     "each step's loss as pipeline_loss(layers(x), y), so the values it logs with self.log never "
     "reach your loggers. The strategy logs the step's loss as 'train_loss' itself; log other "
     "per-step values from on_train_batch_end (of the module or a callback), where "
-    "outputs['loss'] is that loss."
+    "outputs['loss'] is that loss. A module trained only by this strategy needs no training_step."
 )
+
+
+def _computed_by_the_pipeline(module: pl.LightningModule, *args: Any, **kwargs: Any) -> None:
+    """The ``training_step`` lent to a module that has none, while the strategy trains it."""
+    raise ConfigurationError(
+        f"{type(module).__name__} has no training_step: RedundantPipelineStrategy's workers "
+        "compute its steps. Define one to train it with another strategy."
+    )
 
 
 def _logs_in_training_step(module: pl.LightningModule) -> bool:
@@ -206,6 +216,15 @@ class RedundantPipelineStrategy(ParallelStrategy):
         self._weights_step = 0  # the step whose weights the LightningModule holds
         self._forgotten = 0  # batches before this step were deleted from the store
         self._started = 0.0
+        self._lent_training_step: pl.LightningModule | None = None
+
+    def connect(self, model: pl.LightningModule) -> None:
+        """Attach the module; one without a ``training_step`` is lent a placeholder until
+        teardown, since Lightning refuses such a module before any strategy hook runs."""
+        if not is_overridden("training_step", model, pl.LightningModule):
+            model.training_step = MethodType(_computed_by_the_pipeline, model)
+            self._lent_training_step = model
+        super().connect(model)
 
     # -- workers ----------------------------------------------------------------------
     @property
@@ -357,6 +376,9 @@ class RedundantPipelineStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         self.on_exception(RuntimeError("teardown"))
+        module, self._lent_training_step = self._lent_training_step, None
+        if module is not None:
+            del module.training_step  # the user's module leaves fit as it came
         super().teardown()
 
     # -- ParallelStrategy ------------------------------------------------------------------

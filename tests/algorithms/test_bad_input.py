@@ -48,7 +48,8 @@ def test_shrink_into_an_archive_filename(tmp_path):
 
 @pytest.mark.parametrize(
     "kwargs", [{"tau": -0.1}, {"eval_batches": 0}, {"grad_window": -1}, {"grad_beta": 1.5},
-               {"keyframe_every": 0}, {"compress_optimizer": "gzip"}]
+               {"keyframe_every": 0}, {"compress_optimizer": "gzip"}, {"continue_steps": 0},
+               {"screen_fraction": 1.0}, {"screen_accept": 1.5}]
 )  # fmt: skip
 def test_shrink_arguments_out_of_range(kwargs):
     with pytest.raises(ConfigurationError):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -156,6 +157,30 @@ def test_lightning_loop_callbacks_validation_and_checkpoint(tmp_path, reference)
     assert strategy.result.digests and all(
         pair["owner"] == pair["replica"] for pair in strategy.result.digests.values()
     )
+
+
+class NoStepModule(DigitsModule):
+    """A module written for the pipeline only: layers, validation, optimizer, no training_step."""
+
+    training_step = L.LightningModule.training_step
+
+
+@pytest.mark.timeout(120)
+def test_a_module_without_training_step_trains_and_leaves_fit_as_it_came(tmp_path, reference):
+    _, ref_recorder = reference
+    module, recorder = NoStepModule(), Recorder()
+    trainer = L.Trainer(
+        strategy=pipeline(), accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False,
+        callbacks=[recorder], enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=1, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(module, *loaders())
+    assert_same_training(recorder, ref_recorder)
+    assert "training_step" not in vars(module)  # the placeholder went back at teardown
+    with pytest.raises(MisconfigurationException, match="training_step"):
+        L.Trainer(max_epochs=1, logger=False, enable_progress_bar=False).fit(
+            module, loaders()[0]
+        )  # other strategies still refuse it, as Lightning always did
 
 
 @pytest.mark.timeout(120)

@@ -142,7 +142,7 @@ def test_lossy_optimizer_state_and_cli(tmp_path):
 
 def test_bad_callback_arguments(tmp_path):
     for kwargs in ({"tau": -1}, {"eval_batches": 0}, {"keyframe_every": 0},
-                   {"compress_optimizer": "fp8"}, {"grad_beta": 0},
+                   {"compress_optimizer": "fp8"}, {"grad_beta": 0}, {"continue_steps": 0},
                    {"screen_fraction": 1.0}, {"screen_accept": 1.5}):  # fmt: skip
         with pytest.raises(ConfigurationError):
             ShrinkCheckpoint(dirpath=tmp_path, **kwargs)
