@@ -175,10 +175,14 @@ def overhead(seconds_per_checkpoint: float, checkpoints: int, calibration_steps:
     train_s = sum(timer.epochs)
     compress = [r.seconds for r in reports]
     for epoch, (r, t) in enumerate(zip(reports, timer.epochs, strict=True)):
+        check = r.optimizer.seconds if r.optimizer is not None else 0.0
+        checked = r.optimizer is not None and r.optimizer.degradation is not None
+        how = "checked" if checked else "reused"
         print(f"  checkpoint {epoch}: train {t:6.1f} s  compress {r.seconds:5.2f} s "
               f"(search {r.search_seconds:5.2f} s, {r.evaluations} scored + {r.screenings} "
-              f"screened)  "
-              f"{r.kind:8} weights {r.ratio:5.1f}x  {r.config}")  # fmt: skip
+              f"screened; optimizer {how} {check:4.2f} s)  "
+              f"{r.kind:8} weights {r.ratio:5.1f}x whole {r.total_ratio:5.1f}x  "
+              f"{r.config}")  # fmt: skip
     outside, inside = median(timer.outside), median(timer.inside)
     print(f"median batch: {plain_batch * 1e3:.1f} ms plain, {outside * 1e3:.1f} ms with "
           f"ShrinkCheckpoint outside the gradient window ({outside / plain_batch:.3f}x), "

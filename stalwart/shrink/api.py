@@ -28,6 +28,7 @@ from stalwart.shrink.container import SectionWriter
 from stalwart.shrink.entropy import DEFAULT_CODER, check_coder
 from stalwart.shrink.moments import (
     LOSSLESS,
+    REUSED,
     MomentChoice,
     choose_setting,
     effective_form,
@@ -152,6 +153,7 @@ def save(
     compress_optimizer: str = "lossless",
     continue_training: ContinueTraining | None = None,
     parameter_shapes: Sequence[Mapping[Any, tuple[int, ...]]] | None = None,
+    optimizer_choice: MomentChoice | None = None,
     coder: str = DEFAULT_CODER,
     min_numel: int = MIN_QUANTIZED_NUMEL,
     small_tensors: str = "bfloat16",
@@ -189,6 +191,9 @@ def save(
             :func:`stalwart.shrink.moments.choose_setting`.
         parameter_shapes: per optimizer state (in the order they sit in ``extra``), its
             parameter key -> parameter shape; a moment of another shape is stored losslessly.
+        optimizer_choice: with ``"auto"``, the choice an earlier save's continuation check made,
+            reused here without a check (the report says so); see
+            :class:`~stalwart.shrink.chain.ChainWriter`, which decides when that is safe.
         coder: entropy coder of the index streams: ``"auto"`` (default: per stream the smallest
             of rANS per previous level, rANS, and run lengths + zstd; measured: none wins
             everywhere), ``"ans-grouped"`` (rANS per previous level), ``"ans"``, ``"zstd"`` or
@@ -224,8 +229,9 @@ def save(
         screen_accept,
     )  # fmt: skip
     moments = _moment_plan(
-        extra, compress_optimizer, continue_training, parameter_shapes, weights.restored, tau
-    )
+        extra, compress_optimizer, continue_training, parameter_shapes, weights.restored, tau,
+        optimizer_choice,
+    )  # fmt: skip
     return _write(
         state_dict, weights, path, chain, extra, compress_optimizer == "lossy", coder,
         min_numel, start, moments,
@@ -353,6 +359,7 @@ def _moment_plan(
     parameter_shapes: Sequence[Mapping[Any, tuple[int, ...]]] | None,
     restored: dict[str, torch.Tensor],
     tau: float,
+    kept: MomentChoice | None = None,
 ) -> _MomentPlan:
     states = optimizer_states(extra)
     ids = {
@@ -376,12 +383,16 @@ def _moment_plan(
         for note in notes:
             warnings.warn(note, UserWarning, stacklevel=3)
         found.append(moments)
-    if continue_training is None:
+    if kept is not None:
+        reason = f"{REUSED}: continuation {kept.degradation:+.4f} at its last check"
+        plan.choice = MomentChoice(kept.setting, None, [], reason=reason)
+    elif continue_training is None:
         plan.choice = MomentChoice(LOSSLESS, None, [], reason="no continuation check available")
         return plan
-    plan.choice = choose_setting(
-        states, found, lambda candidate: continue_training(restored, list(candidate)), tau
-    )
+    else:
+        plan.choice = choose_setting(
+            states, found, lambda candidate: continue_training(restored, list(candidate)), tau
+        )
     setting = plan.choice.setting
     plan.forms = {id(m.tensor): effective_form(m, setting) for ms in found for m in ms}
     return plan
@@ -547,6 +558,7 @@ def _header(
             "setting": None if choice is None else choice.setting.describe(),
             "degradation": None if choice is None else choice.degradation,
             "tried": [] if choice is None else choice.tried,
+            "reason": "" if choice is None else choice.reason,
         },
     }
 

@@ -26,7 +26,7 @@ from stalwart.shrink.api import (
 from stalwart.shrink.codec import ChainState
 from stalwart.shrink.container import read_header
 from stalwart.shrink.entropy import DEFAULT_CODER
-from stalwart.shrink.moments import optimizer_signature, optimizer_states
+from stalwart.shrink.moments import MomentChoice, optimizer_signature, optimizer_states
 from stalwart.shrink.partition import QuantConfig
 from stalwart.shrink.search import ConfigSearch
 
@@ -62,6 +62,13 @@ class ChainWriter:
         coder: entropy coder of the index streams: ``"auto"`` (default: per stream the
             smallest of rANS per previous level, rANS, and run lengths + zstd), ``"ans-grouped"``,
             ``"ans"``, ``"zstd"`` or ``"huffman"``.
+        recheck_optimizer_every: with ``"auto"``, the continuation check runs at least every
+            this many saves (1: at every save). In between, a setting whose last check came out
+            within ``tau / 4`` is reused unchecked by the deltas of its keyframe segment: the
+            check is ~2 x ``continue_steps`` training steps plus two held-out evaluations, the
+            largest share of a save's time, and on the runs measured a setting that passed
+            once passed again by a wide margin (continuations +0.000..+0.019, tau 0.05).
+            A keyframe, an optimizer change or a resumed chain checks again.
 
     Example::
 
@@ -77,9 +84,14 @@ class ChainWriter:
         keyframe_every: int = 10,
         compress_optimizer: str = "auto",
         coder: str = DEFAULT_CODER,
+        recheck_optimizer_every: int = 5,
     ) -> None:
         if keyframe_every < 1:
             raise ConfigurationError(f"keyframe_every must be >= 1, got {keyframe_every}")
+        if recheck_optimizer_every < 1:
+            raise ConfigurationError(
+                f"recheck_optimizer_every must be >= 1, got {recheck_optimizer_every}"
+            )
         if compress_optimizer not in OPTIMIZER_MODES:
             raise ConfigurationError(
                 f"compress_optimizer must be one of {OPTIMIZER_MODES}, got {compress_optimizer!r}"
@@ -89,8 +101,11 @@ class ChainWriter:
         self.keyframe_every = keyframe_every
         self.compress_optimizer = compress_optimizer
         self.coder = coder
+        self.recheck_optimizer_every = recheck_optimizer_every
         self.chain: ChainState | None = None
         self.reports: list[ShrinkReport] = []
+        self._checked: MomentChoice | None = None  # the last continuation check's choice
+        self._unchecked = 0  # saves since that check that reused its choice
 
     def save(
         self,
@@ -119,6 +134,7 @@ class ChainWriter:
             or {n: tuple(t.shape) for n, t in weights.items()} != previous.shapes
         ):
             previous = None
+        reused = self._reusable_choice(previous, request)
         report = save(
             weights,
             path,
@@ -134,12 +150,40 @@ class ChainWriter:
             compress_optimizer=self.compress_optimizer,
             continue_training=request.continue_training,
             parameter_shapes=request.parameter_shapes,
+            optimizer_choice=reused,
             coder=self.coder,
         )
+        self._note_choice(report, reused)
         self.chain = report.chain
         self.reports.append(report)
         self.collect_retired(path.parent)
         return report
+
+    def _reusable_choice(
+        self, previous: ChainState | None, request: ShrinkRequest
+    ) -> MomentChoice | None:
+        """The last check's choice, when this save may reuse it (see recheck_optimizer_every)."""
+        checked = self._checked
+        if (
+            checked is None
+            or previous is None  # a keyframe (or a new optimizer) is checked afresh
+            or request.continue_training is None
+            or self.compress_optimizer != "auto"
+            or checked.setting.lossless  # a fallback: look for a compressed setting again
+            or checked.degradation is None
+            or checked.degradation > self.tau / 4
+            or self._unchecked + 1 >= self.recheck_optimizer_every
+        ):
+            return None
+        return checked
+
+    def _note_choice(self, report: ShrinkReport, reused: MomentChoice | None) -> None:
+        if reused is not None:
+            self._unchecked += 1
+        elif report.optimizer is not None and report.optimizer.degradation is not None:
+            self._checked, self._unchecked = report.optimizer, 0  # a check ran
+        else:
+            self._checked, self._unchecked = None, 0
 
     @staticmethod
     def _optimizer_changed(previous: ChainState, extra: Any) -> bool:

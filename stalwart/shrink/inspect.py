@@ -10,6 +10,7 @@ from stalwart.errors import ConfigurationError
 from stalwart.shrink.api import load_with_extra
 from stalwart.shrink.codec import entries_bytes
 from stalwart.shrink.container import is_shrunk_file, read_container
+from stalwart.shrink.moments import REUSED
 from stalwart.shrink.partition import QuantConfig
 
 
@@ -41,6 +42,7 @@ def describe(path: Path) -> dict:
         ),
         "optimizer_setting": optimizer.get("setting"),
         "optimizer_degradation": optimizer.get("degradation"),
+        "optimizer_reused": optimizer.get("reason", "").startswith(REUSED),
         "raw_bytes": header["weight_bytes"] + header["extra_bytes"],
     }
 
@@ -73,7 +75,7 @@ def inspect(args: argparse.Namespace) -> None:
             degradation += "*"
         optimizer = "-" if row["optimizer_ratio"] is None else f"{row['optimizer_ratio']:.1f}x"
         check = row["optimizer_degradation"]
-        check = "-" if check is None else f"{check:+.3f}"
+        check = "reused" if row["optimizer_reused"] else "-" if check is None else f"{check:+.3f}"
         print(
             f"{row['file']:28} {row['kind']:8} {row['base'] or '-':28} "
             f"{row['weight_ratio']:7.1f}x {optimizer:>7} {row['total_ratio']:6.1f}x "
@@ -90,7 +92,8 @@ def inspect(args: argparse.Namespace) -> None:
     )
     print(
         "degr.: held-out loss of the restored weights vs exact (tau); cont.: loss after a short "
-        "continuation from the stored optimizer state vs the exact state"
+        "continuation from the stored optimizer state vs the exact state (reused: the last "
+        "check's setting, within tau / 4 there)"
     )
     if any(row["degradation_on"] == "screen" for row in rows):
         print("* degradation measured on the screen (accepted within its margin), not confirmed")

@@ -84,6 +84,8 @@ class MomentSetting:
 
 
 LOSSLESS = MomentSetting("lossless", "lossless")
+#: How a :class:`MomentChoice`'s reason starts when it reuses an earlier save's check.
+REUSED = "reused"
 #: Most compressed first; the last rung needs no check.
 #
 #: No rung zeroes the first moment: a 4-step check passes it (a smaller first step even lowers the

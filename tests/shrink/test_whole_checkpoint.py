@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import logging
 import math
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from stalwart import shrink
 from stalwart.callbacks.shrink import ShrinkCheckpoint
 from stalwart.errors import UnsafeCheckpointError
 from stalwart.plugins.shrink_io import ShrinkCheckpointIO
-from stalwart.shrink.chain import ChainWriter
+from stalwart.shrink.chain import ChainWriter, ShrinkRequest
 from stalwart.shrink.codec import encode_lossless
 from stalwart.shrink.lossless import decode_grouped, encode_grouped
 from stalwart.shrink.moments import (
@@ -226,6 +228,60 @@ def test_a_chain_whose_optimizer_changed_class_starts_a_keyframe(tmp_path, caplo
     (tmp_path / "1.shrunk").unlink()
     _, extra, _ = shrink.load_with_extra(tmp_path / "2.shrunk")
     assert "momentum_buffer" in extra["optimizer_states"][0]["state"][0]
+
+
+def _checked_saves(tmp_path, increase: float, saves: int, **writer_args) -> list:
+    """Which of ``saves`` saves ran the continuation check, each candidate ``increase`` above
+    the exact state's continuation; the reports."""
+    model, adam, shapes = _model_and_state(torch.optim.Adam, lr=1e-3)
+    writer = ChainWriter(**writer_args)
+    checked, reports = [], []
+    for index in range(saves):
+        calls = []
+
+        def continue_training(weights, states, calls=calls):
+            calls.append(len(calls))
+            return 1.0 if len(calls) == 1 else 1.0 + increase  # the first call is the reference
+
+        request = ShrinkRequest(continue_training=continue_training, parameter_shapes=shapes)
+        reports.append(writer.save(
+            model.state_dict(), {"optimizer_states": [adam]}, tmp_path / f"{index}.shrunk", request
+        ))  # fmt: skip
+        if calls:
+            checked.append(index)
+    return checked, reports
+
+
+def test_a_setting_that_passed_by_a_wide_margin_is_reused_until_the_next_check(tmp_path):
+    checked, reports = _checked_saves(tmp_path, 0.001, 7, recheck_optimizer_every=3)
+    assert checked == [0, 3, 6]
+    first = reports[0].optimizer
+    assert first.degradation == pytest.approx(0.001) and not first.setting.lossless
+    for report in (reports[i] for i in (1, 2, 4, 5)):
+        assert report.kind == "delta" and report.optimizer.setting == first.setting
+        assert report.optimizer.degradation is None and "reused" in report.optimizer.reason
+        _, extra, _ = shrink.load_with_extra(report.path)  # and the file restores
+        assert set(extra["optimizer_states"][0]["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    listing = subprocess.run(
+        [sys.executable, "-m", "stalwart.cli", "shrink", "inspect", str(tmp_path)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    rows = {line.split()[0]: line for line in listing.splitlines() if ".shrunk" in line}
+    assert [name for name, line in sorted(rows.items()) if " reused " in line] == [
+        f"{i}.shrunk" for i in (1, 2, 4, 5)
+    ]
+
+
+def test_a_setting_close_to_tau_and_every_keyframe_are_checked_again(tmp_path):
+    close, _ = _checked_saves(tmp_path / "close", 0.03, 4, recheck_optimizer_every=5)
+    assert close == [0, 1, 2, 3]  # within tau (0.05), not within tau / 4: checked every save
+    keyframes, reports = _checked_saves(
+        tmp_path / "kf", 0.001, 4, keyframe_every=2, recheck_optimizer_every=5
+    )
+    assert [r.kind for r in reports] == ["keyframe", "delta", "keyframe", "delta"]
+    assert keyframes == [0, 2]
+    every, _ = _checked_saves(tmp_path / "every", 0.001, 3, recheck_optimizer_every=1)
+    assert every == [0, 1, 2]
 
 
 class Payload:
