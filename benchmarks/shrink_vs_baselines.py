@@ -490,7 +490,8 @@ def verdict(
     configs = [s.detail for s in runs["stalwart"].saves]
     print(
         "  stalwart configs per checkpoint (bins/prune+metric/protect, ! = full search, "
-        "+optimizer moments: first z(ero)/q(uantized)/l(ossless), second f(actored)/l(og)/l): "
+        "+optimizer moments: first z(ero)/s(parse)/p(runed)/q(uantized)/l(ossless), "
+        "second f(actored)/l(og)/l): "
         + " ".join(configs)
     )
     measured = " ".join(
