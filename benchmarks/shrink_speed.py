@@ -5,7 +5,7 @@ at one configuration — sketch, k-means, assignment, delta, entropy coding, fil
 keyframe and as a delta on it, then decoded, for each entropy coder side by side. With
 ``--whole`` (the default) each checkpoint also carries the Adam state of those parameters (two
 moments + step, ~1.2 GB in all with the weights), stored as ``compress_optimizer="auto"`` stores
-it when its continuation check accepts the first rung (pruned first moment, factored second), and
+it when its continuation check accepts the first rung (sparse first moment, factored second), and
 then losslessly (byte-grouped) for the floor; decode returns weights and optimizer state.
 Targets: whole checkpoint (~1.2 GB) encode <= 40 s, decode <= 15 s on a 2-core CPU.
 
