@@ -176,8 +176,7 @@ def overhead(seconds_per_checkpoint: float, checkpoints: int, calibration_steps:
     compress = [r.seconds for r in reports]
     for epoch, (r, t) in enumerate(zip(reports, timer.epochs, strict=True)):
         check = r.optimizer.seconds if r.optimizer is not None else 0.0
-        checked = r.optimizer is not None and r.optimizer.degradation is not None
-        how = "checked" if checked else "reused"
+        how = "reused" if r.optimizer is not None and r.optimizer.reused else "checked"
         print(f"  checkpoint {epoch}: train {t:6.1f} s  compress {r.seconds:5.2f} s "
               f"(search {r.search_seconds:5.2f} s, {r.evaluations} scored + {r.screenings} "
               f"screened; optimizer {how} {check:4.2f} s)  "

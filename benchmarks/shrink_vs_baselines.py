@@ -317,7 +317,7 @@ def fit_segment(
                     optimizer_check=" ".join(
                         f"{name.replace('first ', '').replace(', second ', '/')}:{value:+.3f}"
                         for name, value in (report.optimizer.tried if report.optimizer else [])
-                    ) or ("reused" if report.optimizer is not None else "-"),
+                    ) or ("reused" if report.optimizer and report.optimizer.reused else "-"),
                     detail="lossless" if config is None else
                     f"{config.bins}b{_type_bins(config)}/p{config.prune:g}"
                     f"{config.prune_metric[0]}/k{config.protect:g}"

@@ -28,7 +28,6 @@ from stalwart.shrink.container import SectionWriter
 from stalwart.shrink.entropy import DEFAULT_CODER, check_coder
 from stalwart.shrink.moments import (
     LOSSLESS,
-    REUSED,
     MomentChoice,
     choose_setting,
     effective_form,
@@ -384,8 +383,8 @@ def _moment_plan(
             warnings.warn(note, UserWarning, stacklevel=3)
         found.append(moments)
     if kept is not None:
-        reason = f"{REUSED}: continuation {kept.degradation:+.4f} at its last check"
-        plan.choice = MomentChoice(kept.setting, None, [], reason=reason)
+        reason = f"reused: continuation {kept.degradation:+.4f} at its last check"
+        plan.choice = MomentChoice(kept.setting, None, [], reason=reason, reused=True)
     elif continue_training is None:
         plan.choice = MomentChoice(LOSSLESS, None, [], reason="no continuation check available")
         return plan
@@ -558,7 +557,7 @@ def _header(
             "setting": None if choice is None else choice.setting.describe(),
             "degradation": None if choice is None else choice.degradation,
             "tried": [] if choice is None else choice.tried,
-            "reason": "" if choice is None else choice.reason,
+            "reused": choice is not None and choice.reused,
         },
     }
 

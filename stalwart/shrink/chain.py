@@ -134,7 +134,6 @@ class ChainWriter:
             or {n: tuple(t.shape) for n, t in weights.items()} != previous.shapes
         ):
             previous = None
-        reused = self._reusable_choice(previous, request)
         report = save(
             weights,
             path,
@@ -150,10 +149,10 @@ class ChainWriter:
             compress_optimizer=self.compress_optimizer,
             continue_training=request.continue_training,
             parameter_shapes=request.parameter_shapes,
-            optimizer_choice=reused,
+            optimizer_choice=self._reusable_choice(previous, request),
             coder=self.coder,
         )
-        self._note_choice(report, reused)
+        self._note_choice(report)
         self.chain = report.chain
         self.reports.append(report)
         self.collect_retired(path.parent)
@@ -177,8 +176,8 @@ class ChainWriter:
             return None
         return checked
 
-    def _note_choice(self, report: ShrinkReport, reused: MomentChoice | None) -> None:
-        if reused is not None:
+    def _note_choice(self, report: ShrinkReport) -> None:
+        if report.optimizer is not None and report.optimizer.reused:
             self._unchecked += 1
         elif report.optimizer is not None and report.optimizer.degradation is not None:
             self._checked, self._unchecked = report.optimizer, 0  # a check ran

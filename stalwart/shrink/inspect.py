@@ -10,7 +10,6 @@ from stalwart.errors import ConfigurationError
 from stalwart.shrink.api import load_with_extra
 from stalwart.shrink.codec import entries_bytes
 from stalwart.shrink.container import is_shrunk_file, read_container
-from stalwart.shrink.moments import REUSED
 from stalwart.shrink.partition import QuantConfig
 
 
@@ -42,7 +41,7 @@ def describe(path: Path) -> dict:
         ),
         "optimizer_setting": optimizer.get("setting"),
         "optimizer_degradation": optimizer.get("degradation"),
-        "optimizer_reused": optimizer.get("reason", "").startswith(REUSED),
+        "optimizer_reused": bool(optimizer.get("reused")),
         "raw_bytes": header["weight_bytes"] + header["extra_bytes"],
     }
 

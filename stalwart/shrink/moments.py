@@ -90,8 +90,6 @@ class MomentSetting:
 
 
 LOSSLESS = MomentSetting("lossless", "lossless")
-#: How a :class:`MomentChoice`'s reason starts when it reuses an earlier save's check.
-REUSED = "reused"
 #: Most compressed first; the last rung needs no check.
 #
 #: No rung zeroes the first moment: a 4-step check passes it (a smaller first step even lowers the
@@ -309,6 +307,7 @@ class MomentChoice:
     tried: list[tuple[str, float]]  # (setting, degradation) of every candidate, in order
     seconds: float = 0.0
     reason: str = ""
+    reused: bool = False  # the setting of an earlier save's check, taken without one here
 
     def describe(self) -> str:
         if self.degradation is None:

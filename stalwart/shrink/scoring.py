@@ -34,6 +34,8 @@ def live_evaluator(
     original = {name: t.detach().clone() for name, t in module.state_dict().items()}
 
     def evaluate(state_dict: Mapping[str, torch.Tensor]) -> float:
+        if not original:
+            original.update({n: t.detach().clone() for n, t in module.state_dict().items()})
         rng = capture_rng()
         was_training = module.training
         module.load_state_dict(state_dict)
@@ -74,7 +76,9 @@ def live_continuation(
         load_optimizer_state: how a checkpoint's optimizer state is loaded into an optimizer
             (default ``optimizer.load_state_dict``; Composer keys it by parameter name).
     """
-    original = {name: t.detach().clone() for name, t in module.state_dict().items()}
+    # Taken at the first call, not here: a save that reuses an earlier check (ChainWriter) builds
+    # this function and never calls it, and the clone is a full copy of the weights.
+    original: dict[str, torch.Tensor] = {}
     load = load_optimizer_state or (lambda optimizer, state: optimizer.load_state_dict(state))
 
     def continue_training(
@@ -84,6 +88,8 @@ def live_continuation(
             raise ValueError(
                 f"{len(optimizer_states)} optimizer states for {len(optimizers)} optimizers"
             )
+        if not original:
+            original.update({n: t.detach().clone() for n, t in module.state_dict().items()})
         rng = capture_rng()
         was_training = module.training
         gradients = [(p, None if p.grad is None else p.grad.clone()) for p in module.parameters()]

@@ -261,7 +261,8 @@ def test_a_setting_that_passed_by_a_wide_margin_is_reused_until_the_next_check(t
     assert first.degradation == pytest.approx(0.001) and not first.setting.lossless
     for report in (reports[i] for i in (1, 2, 4, 5)):
         assert report.kind == "delta" and report.optimizer.setting == first.setting
-        assert report.optimizer.degradation is None and "reused" in report.optimizer.reason
+        assert report.optimizer.degradation is None and report.optimizer.reused
+        assert "reused" in report.optimizer.describe()
         _, extra, _ = shrink.load_with_extra(report.path)  # and the file restores
         assert set(extra["optimizer_states"][0]["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
     listing = subprocess.run(
