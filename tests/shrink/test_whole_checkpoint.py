@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from stalwart import shrink
 from stalwart.callbacks.shrink import ShrinkCheckpoint
-from stalwart.errors import UnsafeCheckpointError
+from stalwart.errors import ConfigurationError, UnsafeCheckpointError
 from stalwart.plugins.shrink_io import ShrinkCheckpointIO
 from stalwart.shrink.chain import ChainWriter, ShrinkRequest
 from stalwart.shrink.codec import encode_lossless
@@ -285,6 +285,8 @@ def test_a_setting_close_to_tau_and_every_keyframe_are_checked_again(tmp_path):
     assert keyframes == [0, 2]
     every, _ = _checked_saves(tmp_path / "every", 0.001, 3, recheck_optimizer_every=1)
     assert every == [0, 1, 2]
+    with pytest.raises(ConfigurationError, match="recheck_optimizer_every must be >= 1"):
+        ChainWriter(recheck_optimizer_every=0)
 
 
 class Payload:
