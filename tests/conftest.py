@@ -16,6 +16,16 @@ sys.path.insert(0, str(ROOT / "examples"))
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` run only where torch sees a CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch sees none)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_lightning_tips():
     with warnings.catch_warnings():

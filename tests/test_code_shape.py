@@ -29,9 +29,6 @@ KEPT: dict[str, tuple[int, str]] = {
         273, "Dorylus' interval pipeline (gather/apply/scatter with ghost buffer and weight "
         "stash) in one engine; the staleness gate and stash are already their own modules",
     ),
-    "hindsight/replay.py:run_segments": (
-        73, "the parallel replay's worker pool, progress and failure handling in one loop",
-    ),
     "gnn/distributed.py:PartitionWorker.run_epoch": (
         70, "one epoch of the multi-process GNN: the exchange order is the protocol",
     ),

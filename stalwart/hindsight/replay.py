@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import multiprocessing
 import threading
 import time
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
 
 from stalwart.errors import ConfigurationError, ReplayError
 from stalwart.hindsight.checkpoint_file import verify_checkpoint
@@ -30,6 +32,8 @@ from stalwart.hindsight.numerics import NUMERICS_KEY, recorded_numerics, restore
 from stalwart.hindsight.plan import Segment, plan_replay
 from stalwart.hindsight.store import CheckpointEntry, HindsightStore, Run
 from stalwart.hindsight.writeback import LOGGERS_KEY, target_problem, write_back
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, repr=False)
@@ -221,24 +225,7 @@ def run_segments(
     # Every segment computes with the record's settings (threads included, even if the workers
     # then share the cores): a reduction split over 2 threads sums differently than over 1.
     with recorded_numerics(numerics):
-        if len(segments) == 1:
-            replay_segment(0, segments[0], replay_id)
-        else:
-            context = multiprocessing.get_context("fork")
-            processes = [
-                context.Process(
-                    target=_worker_main, args=(numerics, replay_segment, index, segment, replay_id)
-                )
-                for index, segment in enumerate(segments)
-            ]
-            # Forked from a thread that never ran a parallel region: OpenMP's worker pool belongs
-            # to the thread that used it, and a child forked from that thread waits forever for
-            # pool threads that fork did not copy (as soon as it runs with more than 1 thread).
-            starter = threading.Thread(target=lambda: [p.start() for p in processes])
-            starter.start()
-            starter.join()
-            for process in processes:
-                process.join()
+        _execute(segments, replay_segment, replay_id, numerics)
     seconds = time.perf_counter() - started
 
     store, recorded_run = setup.store, setup.run
@@ -299,6 +286,37 @@ def logger_targets(run: Run, loggers: Any) -> list[dict]:
         f"loggers={loggers!r}: pass 'original' (the recorded run's loggers), None, or a list "
         "of logger objects."
     )
+
+
+def _execute(
+    segments: Sequence[Segment], replay_segment: Callable, replay_id: str, numerics: Mapping
+) -> None:
+    """Run every segment: one here; several in forked workers (in turn here if CUDA is in use)."""
+    if len(segments) == 1 or torch.cuda.is_initialized():
+        if len(segments) > 1:
+            # A forked child cannot use the CUDA context this process holds.
+            log.warning(
+                "CUDA is initialized in this process, so its %d replay segments run one "
+                "after another here instead of in forked workers.", len(segments),
+            )  # fmt: skip
+        for index, segment in enumerate(segments):
+            replay_segment(index, segment, replay_id)
+    else:
+        context = multiprocessing.get_context("fork")
+        processes = [
+            context.Process(
+                target=_worker_main, args=(numerics, replay_segment, index, segment, replay_id)
+            )
+            for index, segment in enumerate(segments)
+        ]
+        # Forked from a thread that never ran a parallel region: OpenMP's worker pool belongs
+        # to the thread that used it, and a child forked from that thread waits forever for
+        # pool threads that fork did not copy (as soon as it runs with more than 1 thread).
+        starter = threading.Thread(target=lambda: [p.start() for p in processes])
+        starter.start()
+        starter.join()
+        for process in processes:
+            process.join()
 
 
 def _worker_main(

@@ -69,8 +69,8 @@ class PipelineJob:
         profile: publish, per step and rank, the CPU and wall seconds spent in each kind of
             instruction (the breakdown ``benchmarks/pipeline_overhead.py`` prints).
         seed: model initialisation seed (the same on every worker).
-        device: ``"cpu"`` (gloo) or ``"cuda"`` (one GPU per worker, NCCL). The CUDA path has
-            not run on a GPU yet; CI has none (see docs/pipeline.md, Limitations).
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL with a GPU per worker; gloo staged
+            through host memory with fewer GPUs than workers). See docs/gpu.md for what ran.
         batches_from_store: driven mode: the workers take each step's batch from the store
             (``batch/<step>``, put there by a driver such as the Lightning strategy) and run
             until the driver sets ``stop``; ``steps`` is then not used.

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed import PrefixStore, Store, TCPStore
 
 from stalwart import durable
@@ -94,6 +95,11 @@ class PipelineAgent:
             raise ConfigurationError("an in-memory workload needs start_method='fork'.")
         if start_method not in ("fork", "spawn"):
             raise ConfigurationError(f"start_method={start_method!r}: use 'fork' or 'spawn'.")
+        if job.device == "cuda" and start_method == "fork" and torch.cuda.is_initialized():
+            raise ConfigurationError(
+                "CUDA is already initialized in this process, and a forked worker cannot use "
+                "it: pass start_method='spawn', or launch before this process touches the GPU."
+            )
         self.job = job.validate()
         for fault in faults:
             if fault.rank >= self.job.num_nodes:

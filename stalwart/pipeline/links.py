@@ -44,11 +44,17 @@ class PeerLinks:
         store: the run's store (the groups rendezvous under a per-generation prefix of it).
         device: ``cpu`` (gloo) or ``cuda`` (NCCL).
         timeout: seconds an operation waits for a silent peer.
+        ranks: how many ranks the run has. On CUDA with fewer GPUs than ranks, NCCL cannot
+            be used (it refuses two ranks on one GPU), so messages go through gloo staged in
+            host memory: slower, but a single-GPU machine can run (and debug) the pipeline.
     """
 
-    def __init__(self, store: Store, device: torch.device, timeout: float) -> None:
+    def __init__(
+        self, store: Store, device: torch.device, timeout: float, ranks: int = 1
+    ) -> None:
         self.store = store
         self.device = device
+        self.host_staged = device.type == "cuda" and torch.cuda.device_count() < ranks
         self.timeout = datetime.timedelta(seconds=timeout)
         self.members: list[int] = []
         self.gen = 0
@@ -81,7 +87,7 @@ class PeerLinks:
         order, not by tag, and a dead peer does not fail pending NCCL operations promptly:
         detection then rests on the agent's ``dead/<rank>`` report and ``failure_timeout``."""
         store = PrefixStore(prefix, self.store)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not self.host_staged:
             from torch.distributed import ProcessGroupNCCL
 
             options = ProcessGroupNCCL.Options()
@@ -97,28 +103,33 @@ class PeerLinks:
         receive only reports completion through ``wait()``, so a helper thread waits (without
         the GIL) and this thread polls it between slices."""
         error = None
+        into = torch.empty(t.shape, dtype=t.dtype) if self.host_staged else t
         try:
-            work = self.pg.recv([t], self.members.index(src), tg)
+            work = self.pg.recv([into], self.members.index(src), tg)
             if fill is None:
                 work.wait()
-                return
-            arrived = self._waiter.submit(work.wait)
-            while not arrived.done() and fill():
-                pass
-            error = arrived.exception()
+            else:
+                arrived = self._waiter.submit(work.wait)
+                while not arrived.done() and fill():
+                    pass
+                error = arrived.exception()
         except RuntimeError as exc:
             error = exc
-        if error is not None:
-            # A message only: the exception's traceback would keep this frame, and with it
-            # the group's sockets, alive — and closing them is what wakes blocked peers.
-            message = str(error)
-            del error
-            raise PeerFailure(f"recv from rank {src}: {message}")
+        if error is None:
+            if into is not t:
+                t.copy_(into)
+            return
+        # A message only: the exception's traceback would keep this frame, and with it the
+        # group's sockets, alive — and closing them is what wakes blocked peers.
+        message = str(error)
+        del error
+        raise PeerFailure(f"recv from rank {src}: {message}")
 
     def isend(self, t: torch.Tensor, dst: int, tg: int) -> None:
         """Post a send; :meth:`wait_sends` waits for it."""
         try:
-            self.pending.append((self.pg.send([t.contiguous()], self.members.index(dst), tg), dst))
+            out = t.detach().contiguous().cpu() if self.host_staged else t.contiguous()
+            self.pending.append((self.pg.send([out], self.members.index(dst), tg), dst))
         except RuntimeError as exc:
             raise PeerFailure(f"send to rank {dst}: {exc}") from None
 
@@ -133,7 +144,10 @@ class PeerLinks:
     def allreduce(self, tensor: torch.Tensor, stage: int, peers: Sequence[int], rank: int) -> None:
         """Sum ``tensor`` in place over ``peers`` (the owners of ``stage`` in every pipeline)."""
         try:
-            self._group(stage, peers, rank).allreduce([tensor]).wait()
+            staged = tensor.cpu() if self.host_staged else tensor
+            self._group(stage, peers, rank).allreduce([staged]).wait()
+            if staged is not tensor:
+                tensor.copy_(staged)
         except RuntimeError as exc:
             raise PeerFailure(f"all-reduce of stage {stage}: {exc}") from None
 

@@ -101,7 +101,7 @@ class StageWorker:
         self.stages = HeldStages(job, workload, self.device)
         self.stages.build(self._held_stages(), checkpoint=None)
         self.batches = MicroBatches(job, workload, store, self.device)
-        self.links = PeerLinks(store, self.device, job.failure_timeout)
+        self.links = PeerLinks(store, self.device, job.failure_timeout, ranks=job.num_nodes)
         self.profile = OpProfile(run_queue=job.profile)
         self.base = SCHEDULES[job.schedule](job.num_stages, job.num_microbatches)
         self.interpreter = StepInterpreter(

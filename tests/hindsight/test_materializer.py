@@ -154,7 +154,8 @@ def test_checkpoints_written_by_the_callback_hold_the_state_at_their_epoch_bound
 
         def on_train_epoch_start(self, trainer, pl_module) -> None:
             if trainer.current_epoch > 0:
-                state = {k: v.clone() for k, v in pl_module.state_dict().items()}
+                # Host copies: on a GPU machine this trains on CUDA; checkpoints hold host tensors.
+                state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
                 self.at_boundary[trainer.current_epoch - 1] = state
 
     witness = Witness()
@@ -179,5 +180,5 @@ def test_checkpoints_written_by_the_callback_hold_the_state_at_their_epoch_bound
         for name, tensor in expected.items():
             assert torch.equal(written[name], tensor), (epoch, name)
     assert not torch.equal(
-        run.checkpoint(0).load()["state_dict"]["net.0.weight"], model.net[0].weight.detach()
+        run.checkpoint(0).load()["state_dict"]["net.0.weight"], model.net[0].weight.detach().cpu()
     )

@@ -106,6 +106,17 @@ def test_parallel_replay_equals_serial(record, truth):
     assert values(serial.metrics("grad_norm")).equals(values(truth.metrics("grad_norm")))
 
 
+def test_while_cuda_is_in_use_here_the_segments_run_in_turn_in_this_process(
+    record, truth, monkeypatch, caplog
+):
+    # A forked worker cannot use this process's CUDA context (tests/gpu runs this on a GPU).
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    result = trainer_for(record).replay(*fresh(), probe=GradProbe(), workers=2)
+    assert len(result.segments) == 2 and "one after another here" in caplog.text
+    assert values(result.metrics("grad_norm")).equals(values(truth.metrics("grad_norm")))
+    assert result.mismatches == []
+
+
 def test_function_probe_and_replay_rows_are_in_the_store(record):
     def lr(trainer, pl_module):
         pl_module.log("lr_fn", trainer.optimizers[0].param_groups[0]["lr"])

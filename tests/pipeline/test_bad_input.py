@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 
 import pytest
+import torch
 from torch import nn
 
 from stalwart.errors import ConfigurationError
@@ -43,13 +44,20 @@ def test_other_bad_fields():
     launch_fails("multiple of", batch_size=30)
     launch_fails("P x D", num_nodes=5)
     launch_fails("only 4 ranks", faults=[Fault(rank=7, step=0)])
-    launch_fails("no CUDA device", device="cuda")  # this machine has no GPU
+    if not torch.cuda.is_available():
+        launch_fails("no CUDA device", device="cuda")
     launch_fails("num_pipelines", num_pipelines=0)
     launch_fails("multiple of num_microbatches x num_pipelines", num_pipelines=3)
     with pytest.raises(ConfigurationError, match="phase"):
         Fault(rank=0, step=0, phase="sideways")
     with pytest.raises(ConfigurationError, match="rank:step"):
         Fault.parse("3")
+
+
+def test_forked_workers_are_refused_while_this_process_holds_a_cuda_context(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    launch_fails("start_method='spawn'", device="cuda")
 
 
 def test_partition_balances_parameters():
