@@ -5,6 +5,10 @@ Each is a Lightning :class:`~lightning.fabric.plugins.CheckpointIO`, so a Traine
 
 - :class:`TorchSaveIO`: plain ``torch.save`` (Lightning's own format; the uncompressed reference).
 - :class:`ZstdTorchSaveIO`: ``torch.save`` bytes compressed with zstd (lossless).
+- :class:`Bf16WeightsIO`: float weights cast to bfloat16 (a relative rounding error of at most
+  2**-9 each), the rest ``torch.save`` + zstd. Not a contender: the smallest perturbation a lossy
+  restore makes, i.e. the floor of how far a final metric moves when training goes on from
+  weights that are not bit-exact.
 - :class:`UniformDeltaIO` (QD-compressor-style, Jin et al. 2023): every float weight tensor
   quantized uniformly to 8 bits between its min and max; the integer codes are delta-coded against
   the previous checkpoint's codes, ``(q_cur - q_prev) mod 2**bits`` (QD's cyclic buffer), then
@@ -254,6 +258,24 @@ class ZstdTorchSaveIO(MeasuredCheckpointIO):
 
     def decode_weights(self, blob: bytes, path: Path) -> dict[str, torch.Tensor]:
         return torch_load_bytes(unzstd(blob))
+
+
+class Bf16WeightsIO(MeasuredCheckpointIO):
+    """Float weights as bfloat16 (see the module docstring); other tensors as they are."""
+
+    name = "bf16 weights"
+
+    def encode_weights(
+        self, state_dict: Mapping[str, torch.Tensor], path: Path
+    ) -> tuple[bytes, str, dict]:
+        dtypes = {name: str(t.dtype).removeprefix("torch.") for name, t in state_dict.items()}
+        cast = {n: t.bfloat16() if t.is_floating_point() else t for n, t in state_dict.items()}
+        return zstd(torch_save_bytes({"dtypes": dtypes, "weights": cast})), "snapshot", {}
+
+    def decode_weights(self, blob: bytes, path: Path) -> dict[str, torch.Tensor]:
+        saved = torch_load_bytes(unzstd(blob))
+        dtypes = saved["dtypes"]
+        return {name: t.to(getattr(torch, dtypes[name])) for name, t in saved["weights"].items()}
 
 
 def _grouped_pack(obj: Any) -> bytes:
