@@ -116,7 +116,7 @@ class PeerLinks:
         except RuntimeError as exc:
             error = exc
         if error is None:
-            if into is not t:
+            if self.host_staged:
                 t.copy_(into)
             return
         # A message only: the exception's traceback would keep this frame, and with it the
@@ -128,7 +128,7 @@ class PeerLinks:
     def isend(self, t: torch.Tensor, dst: int, tg: int) -> None:
         """Post a send; :meth:`wait_sends` waits for it."""
         try:
-            out = t.detach().contiguous().cpu() if self.host_staged else t.contiguous()
+            out = _host_copy(t) if self.host_staged else t.contiguous()
             self.pending.append((self.pg.send([out], self.members.index(dst), tg), dst))
         except RuntimeError as exc:
             raise PeerFailure(f"send to rank {dst}: {exc}") from None
@@ -144,9 +144,9 @@ class PeerLinks:
     def allreduce(self, tensor: torch.Tensor, stage: int, peers: Sequence[int], rank: int) -> None:
         """Sum ``tensor`` in place over ``peers`` (the owners of ``stage`` in every pipeline)."""
         try:
-            staged = tensor.cpu() if self.host_staged else tensor
+            staged = _host_copy(tensor) if self.host_staged else tensor
             self._group(stage, peers, rank).allreduce([staged]).wait()
-            if staged is not tensor:
+            if self.host_staged:
                 tensor.copy_(staged)
         except RuntimeError as exc:
             raise PeerFailure(f"all-reduce of stage {stage}: {exc}") from None
@@ -162,3 +162,8 @@ class PeerLinks:
             except RuntimeError as exc:
                 raise PeerFailure(f"forming the all-reduce group of stage {stage}: {exc}") from None
         return self._groups[key]
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``tensor`` in host memory (always a copy, also of a CPU tensor)."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor.detach())
