@@ -31,7 +31,9 @@ def live_evaluator(
         evaluate = live_evaluator(model, lambda m: float(loss_fn(m(x_val), y_val)))
         stalwart.shrink.save(model.state_dict(), "ep3.shrunk", evaluate=evaluate)
     """
-    original = {name: t.detach().clone() for name, t in module.state_dict().items()}
+    # Taken at the first call (as in live_continuation): an evaluator a save builds but does not
+    # call (its answer accepted on the screen) copies nothing.
+    original: dict[str, torch.Tensor] = {}
 
     def evaluate(state_dict: Mapping[str, torch.Tensor]) -> float:
         if not original:
