@@ -4,7 +4,8 @@ Part 1, wall-clock overhead of recording. The same seeded digits model (``exampl
 is fitted with three variants, repetitions interleaved in rotating order:
 
 * ``plain``: Lightning with ``enable_checkpointing=False, logger=False`` (the baseline);
-* ``hindsight``: ``HindsightCallback`` (fork materializer, default epsilon 1/15);
+* ``hindsight``: ``HindsightCallback`` (default materializer: on CPU a copy written by a
+  background thread; default epsilon 1/15);
 * ``modelckpt``: Lightning's ``ModelCheckpoint`` saving every training epoch (``save_top_k=-1``).
 
 on two workloads: (a) a small checkpoint (the width-128 MLP, ~0.1 MB, the train set repeated 8x so
@@ -23,8 +24,9 @@ where each variant's fit time went (training batches, validation, the rest of th
 Part 2, main-thread cost of one checkpoint of the large model: its full Lightning checkpoint dict
 (``dump_checkpoint`` after one epoch) is persisted, repetitions interleaved, by (1) an inline
 ``torch.save``, (2) Lightning's ``AsyncCheckpointIO`` (only the ``save_checkpoint`` call is timed;
-it clones every tensor on the caller thread), (3) stalwart's ``ForkMaterializer.submit`` (only the
-submit is timed) and (4) stalwart's ``InlineMaterializer`` (torch.save with a CRC and fsync). Each
+it clones every tensor on the caller thread), (3) stalwart's ``ForkMaterializer.submit`` forking
+(``small_bytes=0``) and (4) copying for its writer thread (the CPU default; only the submit is
+timed), and (5) stalwart's ``InlineMaterializer`` (torch.save with a CRC and fsync). Each
 writer is waited for outside the timed region. A fork child's file is loaded back and compared with
 the original. Part 2 also measures what the fork defers: the first in-place write of the whole
 state after a fork (copy-on-write faults, while the child still holds the pages) against the same
@@ -521,8 +523,8 @@ def time_writer(name: str, checkpoint: dict, directory: Path, rep: int, part: Pa
         io.save_checkpoint(checkpoint, path)
         blocked = time.perf_counter() - start
         wait = io.teardown
-    elif name == "Fork submit":
-        materializer = ForkMaterializer()
+    elif name in ("Fork submit", "Copy submit"):
+        materializer = ForkMaterializer(small_bytes=0 if name == "Fork submit" else None)
         start = time.perf_counter()
         materializer.submit(WriteJob(checkpoint, path))
         blocked = time.perf_counter() - start
@@ -588,7 +590,7 @@ def part2(workload: Workload, reps: int) -> dict[str, float]:
     checkpoint = dump_checkpoint(one_epoch)
     nbytes = sum(t.numel() * t.element_size() for t in state_tensors(checkpoint))
     print(f"  checkpoint tensors: {nbytes / MB:.1f} MB (parameters + SGD momentum)")
-    names = ("torch.save", "AsyncCheckpointIO", "Fork submit", "InlineMaterializer")
+    names = ("torch.save", "AsyncCheckpointIO", "Fork submit", "Copy submit", "InlineMaterializer")
     part = Part2()
     with tempfile.TemporaryDirectory(prefix="stalwart-bench-part2-") as tmp:
         for rep in range(reps):

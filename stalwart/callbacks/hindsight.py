@@ -14,7 +14,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from stalwart.callbacks.lightning_internals import (
+    HOOKS_PER_BATCH,
     dump_checkpoint,
+    hook_dispatch_seconds,
     hook_epoch_boundary,
     is_last_batch,
     unhook_epoch_boundary,
@@ -73,6 +75,7 @@ class HindsightCallback(Callback):
         self._capture: LogCapture | None = None
         self._inner_loop_end: dict | None = None
         self._rng_at_start: dict | None = None
+        self._dispatch_per_batch = 0.0
 
     @property
     def dirpath(self) -> Path:
@@ -122,6 +125,12 @@ class HindsightCallback(Callback):
         )
         # What recording adds before training is part of its cost (begin charges its own).
         self.recorder.charge_fixed(fingerprinting)
+        # Lightning hands every hook of every batch to this callback too: that is the record's
+        # (and so is measuring it).
+        started = time.perf_counter()
+        hooks = HOOKS_PER_BATCH[pl_module.automatic_optimization]
+        self._dispatch_per_batch = hooks * hook_dispatch_seconds(trainer, self)
+        self.recorder.charge_fixed(time.perf_counter() - started)
         self._capture = LogCapture(self.store, run_id, "record")
         self._capture.attach(pl_module, trainer)
         self.recorder.flush_logs = self._capture.flush
@@ -153,7 +162,9 @@ class HindsightCallback(Callback):
             self._inner_loop_end = capture_inner_loop_end(trainer)
         self.recorder.batch_ended()
         spent, self._capture.spent = self._capture.spent, 0.0
-        self.recorder.charge_bookkeeping(time.perf_counter() - started + spent)
+        self.recorder.charge_bookkeeping(
+            time.perf_counter() - started + spent + self._dispatch_per_batch
+        )
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.recorder.flush()

@@ -3,8 +3,10 @@
 :class:`ForkMaterializer` is Flor's background materialization (thesis ch. 4): the training process
 forks; fork's copy-on-write *is* the snapshot on CPU, so the parent pays only for ``fork()``
 and goes back to training while the child serializes, writes to a temp name, renames, and exits.
-CUDA tensors are first copied to pinned host memory (the child never touches CUDA). Small
-checkpoints are copied into a buffer and written many per fork, as Flor batches small objects.
+CUDA tensors are first copied to pinned host memory (the child never touches CUDA). A fork is not
+free, though: its copy-on-write faults land on the next optimizer step. So the same materializer
+can instead copy the state and hand the copy to a writer thread; which of the two a run uses is
+measured on the machine, for the run's state size, before its first checkpoint.
 
 :class:`InlineMaterializer` writes on the calling thread, for platforms without ``fork``.
 """
@@ -12,14 +14,16 @@ checkpoints are copied into a buffer and written many per fork, as Flor batches 
 from __future__ import annotations
 
 import copy
+import math
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,9 +34,6 @@ from torch.utils import _pytree as pytree
 from stalwart.durable import WrittenFile
 from stalwart.errors import ConfigurationError
 from stalwart.hindsight.checkpoint_file import write_checkpoint
-
-#: Training time lost to a background writer, as a fraction of the writer's own inline write time.
-CONTENTION_FACTOR = 0.7
 
 
 @dataclass
@@ -75,6 +76,20 @@ def host_snapshot(obj: Any) -> Any:
     return snapshot
 
 
+def host_copy(obj: Any) -> Any:
+    """A copy of ``obj`` that later in-place changes to the original cannot reach: CUDA tensors
+    copied once into pinned host memory, CPU tensors cloned, everything else deep-copied."""
+    snapshot = host_snapshot(obj)
+    # Tensors host_snapshot already copied off the GPU are fresh: deepcopy must not copy them
+    # again (its memo maps an object's id to the copy to use).
+    fresh = {
+        id(new): new
+        for old, new in zip(pytree.tree_leaves(obj), pytree.tree_leaves(snapshot), strict=True)
+        if isinstance(new, torch.Tensor) and new is not old
+    }
+    return copy.deepcopy(snapshot, fresh)
+
+
 def _run_jobs(jobs: list[WriteJob]) -> None:
     for job in jobs:
         written = write_checkpoint(job.obj, job.path)
@@ -105,6 +120,12 @@ class Materializer(ABC):
     def poll(self) -> None:  # noqa: B027 - nothing runs in the background by default
         """Collect finished background work without blocking."""
 
+    def take_background_cost(self) -> float:
+        """Seconds of training time background writes took since the last call, where they can
+        be measured directly (a writer thread's CPU time); forked children are measured by their
+        slowdown of training instead (:mod:`stalwart.hindsight.interference`)."""
+        return 0.0
+
     def close(self) -> None:  # noqa: B027
         """Write everything still pending and wait for it."""
 
@@ -131,39 +152,96 @@ def host_snapshot_job(job: WriteJob) -> WriteJob:
     return WriteJob(host_snapshot(job.obj), job.path, job.on_written, job.submitted_at)
 
 
+class WriterThread:
+    """Writes jobs in submission order on one daemon thread, and keeps the CPU time it used.
+
+    The thread's CPU time is what it can take from training (its serialization holds the
+    interpreter lock; its checksum, writes and fsyncs release it and use another core, or wait
+    for the disk): the materializer charges it to checkpointing.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[WriteJob | None] = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self.cpu_seconds = 0.0
+        self.bytes_written = 0
+        self._cpu_taken = 0.0
+        self.failures: list[str] = []
+        self._thread: threading.Thread | None = None
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def put(self, job: WriteJob, nbytes: int) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="stalwart-checkpoint-writer", daemon=True
+            )
+            self._thread.start()
+        with self._idle:
+            self._pending += 1
+        self._jobs.put((job, nbytes))
+
+    def take_cpu(self) -> float:
+        """CPU seconds of writes finished since the last call."""
+        with self._idle:
+            taken, self._cpu_taken = self.cpu_seconds - self._cpu_taken, self.cpu_seconds
+        return taken
+
+    def drain(self, below: int = 1) -> None:
+        """Wait until fewer than ``below`` jobs are pending (by default: all written)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending < below)
+
+    def close(self) -> None:
+        self.drain()
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, nbytes = item
+            started = time.thread_time()
+            try:
+                _run_jobs([job])
+            except BaseException as exc:  # reported at close, like a failed child
+                self.failures.append(f"background writer failed ({exc!r}); not written: {job.path}")
+            with self._idle:
+                self.cpu_seconds += time.thread_time() - started
+                self.bytes_written += nbytes
+                self._pending -= 1
+                self._idle.notify_all()
+
+
 class ForkMaterializer(Materializer):
-    """Writes checkpoints from forked children while the parent keeps training.
+    """Writes checkpoints in the background while training goes on: from a forked child, or as a
+    copy handed to a writer thread, whichever costs training less on this machine.
 
     Args:
-        max_children: live children at most; a submit beyond it waits for the oldest (and that
-            wait counts as main-thread cost). Flor never saw more than two.
-        small_bytes: checkpoints with fewer tensor bytes than this are copied into a buffer
-            instead of forking at once; the buffer is written by a single child. Below ~16 MB a
-            copy (~1 ms/MB) is cheaper than a fork (~20 ms in a torch process) plus the
-            copy-on-write faults it causes (~0.7 ms/MB).
-        max_buffered: flush the buffer once it holds this many objects (Flor used 5000).
-        max_buffer_bytes: flush the buffer once its copies hold this many tensor bytes.
-        max_delay: flush the buffer once its oldest object waited this many seconds, which bounds
-            what a crash of the training process can lose.
+        max_children: live children (or copies waiting for the writer thread) at most; a submit
+            beyond it waits for the oldest (and that wait counts as main-thread cost). Flor never
+            saw more than two.
+        small_bytes: checkpoints with fewer tensor bytes than this are copied and written by the
+            writer thread, larger ones by a forked child. ``None`` (default): the copy for CPU
+            state; in a process using CUDA, decided by measurement when the recorder first
+            probes what a checkpoint of the run's size costs (a copy plus the thread's CPU time,
+            against a fork and the child's competition for the cores); ``0`` always forks.
 
     Example::
 
         materializer = ForkMaterializer()
         cost = materializer.submit(WriteJob(model.state_dict(), Path("runs/epoch=0.ckpt")))
-        ...  # keep training; the child writes in the background
+        ...  # keep training; the child or the writer thread writes in the background
         materializer.close()
     """
 
     name = "fork"
 
-    def __init__(
-        self,
-        max_children: int = 2,
-        small_bytes: int = 16 << 20,
-        max_buffered: int = 5000,
-        max_buffer_bytes: int = 64 << 20,
-        max_delay: float = 10.0,
-    ) -> None:
+    def __init__(self, max_children: int = 2, small_bytes: int | None = None) -> None:
         super().__init__()
         if not hasattr(os, "fork"):
             raise ConfigurationError(
@@ -173,33 +251,63 @@ class ForkMaterializer(Materializer):
             raise ConfigurationError(f"max_children={max_children} must be at least 1.")
         self.max_children = max_children
         self.small_bytes = small_bytes
-        self.max_buffered = max_buffered
-        self.max_buffer_bytes = max_buffer_bytes
-        self._buffer_bytes = 0
-        self.max_delay = max_delay
         self._children: dict[int, list[str]] = {}
-        self._buffer: list[WriteJob] = []
+        self._writer = WriterThread()
         self.forks = 0
-        #: Seconds per byte of writing a small checkpoint (fsyncs included), measured.
-        self._write_rate: float | None = None
-        #: The buffered checkpoints' writes already charged to their submits (see ``submit``).
-        self.prepaid = 0.0
+        self.copies = 0
         # A child must not be the first to import what torch.save needs: another thread of the
         # parent may have held the import lock at fork time.
         torch.save({"warm": torch.zeros(1)}, _NullWriter())
 
     def probe_cost(self, nbytes: int, directory: Path) -> float:
-        """A small state costs a copy into the buffer; a large one a fork (which grows with the
-        process's mapped memory), the copy-on-write faults it causes and the child's competition
-        for the machine. Measured here, now."""
-        if nbytes < self.small_bytes:
-            state = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-            start = time.perf_counter()
-            copy.deepcopy(state)
-            return time.perf_counter() - start + self._write_share(nbytes, directory)
+        """What one checkpoint of ``nbytes`` costs training by either path, measured here, now;
+        without an explicit ``small_bytes``, the cheaper path becomes this materializer's."""
+        if self.small_bytes is not None:
+            if nbytes < self.small_bytes:
+                return self._copy_cost(nbytes, directory)
+            return self._fork_cost(nbytes, directory)
+        by_copy = self._copy_cost(nbytes, directory)
+        # On CPU the fork does not win, and probing it costs what it costs: its copy-on-write
+        # faults copy every page the next optimizer step writes (what the copy copies) plus a
+        # fault each, and once the child has gone, every page of the process the training touches
+        # faults once more (measured: +108 ms to rewrite 400 MB after a fork whose child exited at
+        # once; probes: 1 MB 3 vs 19 ms, 10 MB 17 vs 40 ms, 100 MB 165 vs 255 ms). A CUDA state's
+        # snapshot is fresh pinned memory that no step rewrites: there the fork is measured.
+        by_fork = self._fork_cost(nbytes, directory) if torch.cuda.is_initialized() else math.inf
+        # The checkpoint holds a little more than the probed tensors (RNG and loop state): the
+        # choice is for states of about this size, so leave it room.
+        self.small_bytes = 2 * nbytes + (1 << 20) if by_copy <= by_fork else 0
+        return min(by_copy, by_fork)
+
+    def _copy_cost(self, nbytes: int, directory: Path) -> float:
+        """The copy on the calling thread, plus the writer thread's CPU time for the write (as
+        measured on the writes it made, else on a probe write)."""
+        probe_bytes = max(1, min(nbytes, 16 << 20))
+        state = torch.ones(probe_bytes, dtype=torch.uint8)
+        start = time.perf_counter()
+        host_copy(state)
+        copied = time.perf_counter() - start
+        return copied * nbytes / probe_bytes + self._write_cpu(nbytes, directory)
+
+    def _write_cpu(self, nbytes: int, directory: Path) -> float:
+        """CPU seconds writing ``nbytes`` takes, at the rate of the writer thread's writes so far
+        (else of a probe write)."""
+        if not self._writer.bytes_written:
+            probe_bytes = max(1, min(nbytes, 16 << 20))
+            path = directory / f".stalwart-probe-{os.getpid()}"
+            started = time.thread_time()
+            write_checkpoint(torch.ones(probe_bytes, dtype=torch.uint8), path)
+            rate = (time.thread_time() - started) / probe_bytes
+            path.unlink()
+            return rate * nbytes
+        return self._writer.cpu_seconds / self._writer.bytes_written * nbytes
+
+    def _fork_cost(self, nbytes: int, directory: Path) -> float:
+        """A fork (which grows with the process's mapped memory), the copy-on-write faults it
+        causes and the child's competition for the machine."""
         # Copy-on-write faults are the larger part: every page the next optimizer step writes is
         # copied while a child holds it. Measure them on a probe buffer, scale to the state.
-        probe_bytes = max(1, min(nbytes, 16 << 20))
+        probe_bytes = max(1, min(nbytes, 4 << 20))
         probe = torch.ones(probe_bytes, dtype=torch.uint8)
         read_end, write_end = os.pipe()
         start = time.perf_counter()
@@ -219,14 +327,13 @@ class ForkMaterializer(Materializer):
         os.close(read_end)
         os.close(write_end)
         copy_on_write = max(shared_write - private_write, 0.0) * nbytes / probe_bytes
-        # The child's serialize + checksum + fsync competes with training for cores and memory
-        # bandwidth; measured side by side (benchmarks/record_overhead.py, 271 MB) that costs
-        # training about 0.7x the time of writing the same state inline.
-        contention = CONTENTION_FACTOR * InlineMaterializer().probe_cost(nbytes, directory)
-        return fork_cost + copy_on_write + contention
+        # The child's serialize + checksum + write competes with training for cores and memory
+        # bandwidth as the writer thread's would: the same CPU time.
+        return fork_cost + copy_on_write + self._write_cpu(nbytes, directory)
 
     @property
     def busy(self) -> bool:
+        """A forked child is alive. (The writer thread's cost is charged as its CPU time.)"""
         return bool(self._children)
 
     @property
@@ -237,32 +344,22 @@ class ForkMaterializer(Materializer):
         start = time.perf_counter()
         self.poll()
         nbytes = tensor_bytes(job.obj)
-        if nbytes < self.small_bytes:
-            self._buffer.append(
-                WriteJob(copy.deepcopy(host_snapshot(job.obj)), job.path, job.on_written)
-            )
-            self._buffer_bytes += nbytes
-            # A buffered checkpoint is not written yet, but it will be: by a child, or at close
-            # while the caller waits. Its write is charged now, so the policy sees what it costs
-            # (close charges only what the writes took beyond this).
-            share = self._write_share(nbytes, job.path.parent)
-            self.prepaid += share
-            if (
-                len(self._buffer) >= self.max_buffered
-                or self._buffer_bytes >= self.max_buffer_bytes
-                or time.monotonic() - self._buffer[0].submitted_at >= self.max_delay
-            ):
-                self._fork(self._take_buffer())
-            return time.perf_counter() - start + share
-        self._fork([*self._take_buffer(), host_snapshot_job(job)])
+        if self.small_bytes is None or nbytes < self.small_bytes:
+            # Copies waiting for the thread hold memory: at most max_children of them, as for
+            # children (a submit beyond that waits, and the wait is charged).
+            self._writer.drain(below=self.max_children)
+            self._writer.put(WriteJob(host_copy(job.obj), job.path, job.on_written), nbytes)
+            self.copies += 1
+            # The write runs beside training; what it takes from training, the thread's CPU
+            # time, is charged once measured (take_background_cost).
+            return time.perf_counter() - start
+        # A child must not inherit a lock the writer thread holds mid-write.
+        self._writer.drain()
+        self._fork([host_snapshot_job(job)])
         return time.perf_counter() - start
 
-    def _write_share(self, nbytes: int, directory: Path) -> float:
-        """Estimated seconds to write ``nbytes`` as a checkpoint, from one measured write."""
-        if self._write_rate is None:
-            probe_bytes = max(1, min(nbytes, 8 << 20))
-            self._write_rate = InlineMaterializer().probe_cost(probe_bytes, directory) / probe_bytes
-        return self._write_rate * nbytes
+    def take_background_cost(self) -> float:
+        return self._writer.take_cpu()
 
     def poll(self) -> None:
         for pid in list(self._children):
@@ -271,25 +368,12 @@ class ForkMaterializer(Materializer):
                 self._reaped(pid, status)
 
     def close(self) -> None:
-        if self._buffer:
-            # The caller waits for this write anyway: writing it here, while the children
-            # finish theirs, saves the fork and the child's start; in threads, because most of
-            # a small checkpoint's write is its fsyncs, which overlap.
-            jobs = self._take_buffer()
-            with ThreadPoolExecutor(max_workers=min(8, len(jobs))) as pool:
-                written = list(pool.map(lambda job: write_checkpoint(job.obj, job.path), jobs))
-            for job, file in zip(jobs, written, strict=True):  # the index: one writer at a time
-                if job.on_written is not None:
-                    job.on_written(file)
+        self._writer.close()
+        self.failures.extend(self._writer.failures)
+        self._writer.failures.clear()
         for pid in list(self._children):
             _, status = os.waitpid(pid, 0)
             self._reaped(pid, status)
-
-    def _take_buffer(self) -> list[WriteJob]:
-        jobs, self._buffer = self._buffer, []
-        self._buffer_bytes = 0
-        self.prepaid = 0.0
-        return jobs
 
     def _reaped(self, pid: int, status: int) -> None:
         paths = self._children.pop(pid)

@@ -133,8 +133,8 @@ class Recorder:
     def write_initial(self, snapshot: Callable[[], Any], step: int) -> None:
         """Write the state training starts from, so a replay from epoch 0 needs no user seeding.
 
-        Through the background path like every checkpoint (a copy into the buffer for a small
-        state, a fork for a large one): the first epoch is warm-up and never the interference
+        Through the background path like every checkpoint (a copy for the writer thread, or a
+        fork): the first epoch is warm-up and never the interference
         meter's baseline, and whatever a writer costs it is charged once a baseline exists.
         """
         self.charge_fixed(self.write(snapshot, INITIAL_EPOCH, "init.ckpt", step))
@@ -201,8 +201,12 @@ class Recorder:
         epoch_seconds = time.perf_counter() - self._clock
         self._interference.observe(epoch_seconds, shadowed=shadowed, warmup=self._warmup)
         self._warmup = False
+        # What background writes took from this epoch: a forked child's measured slowdown (which
+        # the epoch's time holds), a writer thread's CPU time (which it holds only where the
+        # thread competed for a core; charged whole, to err on the side of the budget).
         interference = self._interference.take()
-        self.policy.charge(interference)
+        background = interference + self.materializer.take_background_cost()
+        self.policy.charge(background)
         bookkeeping, self._bookkeeping = self._bookkeeping, 0.0
         self.policy.charge_fixed(bookkeeping)
         compute_time = epoch_seconds - max(interference, 0.0) - bookkeeping
@@ -217,9 +221,9 @@ class Recorder:
         self.decided_through = epoch
         if decision.checkpoint:
             self.policy.checkpointed(estimate)
-            self._due = (decision, interference)
+            self._due = (decision, background)
         else:
-            self.store.add_decision(self.run_id, decision.as_dict(), None, interference)
+            self.store.add_decision(self.run_id, decision.as_dict(), None, background)
         self._clock = time.perf_counter()
         return decision
 
@@ -242,7 +246,7 @@ class Recorder:
     def write(self, snapshot: Callable[[], Any], epoch: int, name: str, step: int) -> float:
         """Snapshot the state and hand it to the materializer; returns the seconds it costs
         training: the snapshot plus what the materializer charges (its main-thread time and,
-        for a buffered checkpoint, the write it defers)."""
+        for a copy handed to its writer thread, the thread's CPU time)."""
         start = time.perf_counter()
         checkpoint = snapshot()
         path = self.store.run_dir(self.run_id) / name
@@ -261,15 +265,14 @@ class Recorder:
         """
         if not self.recording:
             return None
+        self.policy.charge(self.materializer.take_background_cost())
         started = time.perf_counter()
         self.flush()
-        prepaid = getattr(self.materializer, "prepaid", 0.0)  # buffered writes charged already
         self.materializer.close()
-        waited = time.perf_counter() - started - prepaid
-        if waited >= 0:
-            self.policy.charge_fixed(waited)
-        else:
-            self.policy.charge(waited)  # the writes took less than their submits were charged
+        # The fit waits for the last writes: every second of it is the record's (so what the
+        # writer thread used meanwhile is not charged again).
+        self.policy.charge_fixed(time.perf_counter() - started)
+        self.materializer.take_background_cost()
         for failure in self.materializer.failures:
             warnings.warn(f"{self.name}: {failure}", stacklevel=3)
         self.store.finish_run(self.run_id, status)

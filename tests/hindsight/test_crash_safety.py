@@ -414,7 +414,7 @@ def test_writer_killed_mid_write_is_never_indexed(tmp_path, when):
     path = store.run_dir(run_id) / "epoch=0000.ckpt"
     # Untouched pages: 300 MB to serialize without 300 MB of resident memory.
     state = {"blob": torch.empty(TORN_STATE_BYTES, dtype=torch.uint8)}
-    materializer = ForkMaterializer()
+    materializer = ForkMaterializer(small_bytes=0)  # always fork
     try:
         materializer.submit(
             WriteJob(state, path, checkpoint_recorder(store.db_path, run_id, epoch=0, step=0))
@@ -462,8 +462,8 @@ def test_writer_killed_mid_write_is_never_indexed(tmp_path, when):
 
     # A later complete write of the same epoch is indexed under the final name, not the temp one,
     # and the torn temp file next to it changes nothing.
-    good_state = {"w": torch.arange(1 << 19, dtype=torch.float32)}  # 2 MB: forks a writer
-    materializer = ForkMaterializer()
+    good_state = {"w": torch.arange(1 << 19, dtype=torch.float32)}
+    materializer = ForkMaterializer(small_bytes=0)
     materializer.submit(
         WriteJob(
             good_state, path, checkpoint_recorder(root / "hindsight.db", run_id, epoch=0, step=0)
