@@ -53,11 +53,8 @@ def hook_dispatch_seconds(trainer: Trainer, callback: Callback, repeats: int = 1
     of ``trainer/call.py::_call_callback_hooks`` (the attribute lookup, the profiler section and
     its name, the call), timed on a hook the callback does not override. The profiler is a
     pass-through one, so nothing lands in the user's profile."""
-    profiler, pl_module, hook = (
-        PassThroughProfiler(),
-        trainer.lightning_module,
-        "on_before_zero_grad",
-    )
+    profiler, pl_module = PassThroughProfiler(), trainer.lightning_module
+    hook = "on_before_zero_grad"
     rounds = []
     for _ in range(3):
         start = time.perf_counter()

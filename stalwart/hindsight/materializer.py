@@ -4,9 +4,10 @@
 forks; fork's copy-on-write *is* the snapshot on CPU, so the parent pays only for ``fork()``
 and goes back to training while the child serializes, writes to a temp name, renames, and exits.
 CUDA tensors are first copied to pinned host memory (the child never touches CUDA). A fork is not
-free, though: its copy-on-write faults land on the next optimizer step. So the same materializer
-can instead copy the state and hand the copy to a writer thread; which of the two a run uses is
-measured on the machine, for the run's state size, before its first checkpoint.
+free, though: its copy-on-write faults land on the next optimizer step, and afterwards every page
+of the process faults once more. So the same materializer can instead copy the state and hand the
+copy to a writer thread: the default for CPU state (measured cheaper at every size); in a process
+using CUDA, both are measured before the run's first checkpoint and the cheaper one is taken.
 
 :class:`InlineMaterializer` writes on the calling thread, for platforms without ``fork``.
 """
@@ -24,7 +25,7 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,6 @@ class WriteJob:
     obj: Any
     path: Path
     on_written: Callable[[WrittenFile], None] | None = None
-    submitted_at: float = field(default_factory=time.monotonic)
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -90,11 +90,15 @@ def host_copy(obj: Any) -> Any:
     return copy.deepcopy(snapshot, fresh)
 
 
-def _run_jobs(jobs: list[WriteJob]) -> None:
-    for job in jobs:
-        written = write_checkpoint(job.obj, job.path)
-        if job.on_written is not None:
-            job.on_written(written)
+def _probe_buffer(nbytes: int, cap: int) -> torch.Tensor:
+    """Touched memory standing in for a state of ``nbytes`` (at most ``cap``) in a probe."""
+    return torch.ones(max(1, min(nbytes, cap)), dtype=torch.uint8)
+
+
+def _run_job(job: WriteJob) -> None:
+    written = write_checkpoint(job.obj, job.path)
+    if job.on_written is not None:
+        job.on_written(written)
 
 
 class Materializer(ABC):
@@ -144,12 +148,12 @@ class InlineMaterializer(Materializer):
 
     def submit(self, job: WriteJob) -> float:
         start = time.perf_counter()
-        _run_jobs([host_snapshot_job(job)])
+        _run_job(host_snapshot_job(job))
         return time.perf_counter() - start
 
 
 def host_snapshot_job(job: WriteJob) -> WriteJob:
-    return WriteJob(host_snapshot(job.obj), job.path, job.on_written, job.submitted_at)
+    return WriteJob(host_snapshot(job.obj), job.path, job.on_written)
 
 
 class WriterThread:
@@ -207,7 +211,7 @@ class WriterThread:
             job, nbytes = item
             started = time.thread_time()
             try:
-                _run_jobs([job])
+                _run_job(job)
             except BaseException as exc:  # reported at close, like a failed child
                 self.failures.append(f"background writer failed ({exc!r}); not written: {job.path}")
             with self._idle:
@@ -251,7 +255,7 @@ class ForkMaterializer(Materializer):
             raise ConfigurationError(f"max_children={max_children} must be at least 1.")
         self.max_children = max_children
         self.small_bytes = small_bytes
-        self._children: dict[int, list[str]] = {}
+        self._children: dict[int, str] = {}  # pid: the path it writes
         self._writer = WriterThread()
         self.forks = 0
         self.copies = 0
@@ -282,22 +286,21 @@ class ForkMaterializer(Materializer):
     def _copy_cost(self, nbytes: int, directory: Path) -> float:
         """The copy on the calling thread, plus the writer thread's CPU time for the write (as
         measured on the writes it made, else on a probe write)."""
-        probe_bytes = max(1, min(nbytes, 16 << 20))
-        state = torch.ones(probe_bytes, dtype=torch.uint8)
+        probe = _probe_buffer(nbytes, 16 << 20)
         start = time.perf_counter()
-        host_copy(state)
+        host_copy(probe)
         copied = time.perf_counter() - start
-        return copied * nbytes / probe_bytes + self._write_cpu(nbytes, directory)
+        return copied * nbytes / probe.numel() + self._write_cpu(nbytes, directory)
 
     def _write_cpu(self, nbytes: int, directory: Path) -> float:
         """CPU seconds writing ``nbytes`` takes, at the rate of the writer thread's writes so far
         (else of a probe write)."""
         if not self._writer.bytes_written:
-            probe_bytes = max(1, min(nbytes, 16 << 20))
+            probe = _probe_buffer(nbytes, 16 << 20)
             path = directory / f".stalwart-probe-{os.getpid()}"
             started = time.thread_time()
-            write_checkpoint(torch.ones(probe_bytes, dtype=torch.uint8), path)
-            rate = (time.thread_time() - started) / probe_bytes
+            write_checkpoint(probe, path)
+            rate = (time.thread_time() - started) / probe.numel()
             path.unlink()
             return rate * nbytes
         return self._writer.cpu_seconds / self._writer.bytes_written * nbytes
@@ -307,8 +310,7 @@ class ForkMaterializer(Materializer):
         causes and the child's competition for the machine."""
         # Copy-on-write faults are the larger part: every page the next optimizer step writes is
         # copied while a child holds it. Measure them on a probe buffer, scale to the state.
-        probe_bytes = max(1, min(nbytes, 4 << 20))
-        probe = torch.ones(probe_bytes, dtype=torch.uint8)
+        probe = _probe_buffer(nbytes, 4 << 20)
         read_end, write_end = os.pipe()
         start = time.perf_counter()
         pid = os.fork()
@@ -326,7 +328,7 @@ class ForkMaterializer(Materializer):
         os.waitpid(pid, 0)
         os.close(read_end)
         os.close(write_end)
-        copy_on_write = max(shared_write - private_write, 0.0) * nbytes / probe_bytes
+        copy_on_write = max(shared_write - private_write, 0.0) * nbytes / probe.numel()
         # The child's serialize + checksum + write competes with training for cores and memory
         # bandwidth as the writer thread's would: the same CPU time.
         return fork_cost + copy_on_write + self._write_cpu(nbytes, directory)
@@ -355,7 +357,7 @@ class ForkMaterializer(Materializer):
             return time.perf_counter() - start
         # A child must not inherit a lock the writer thread holds mid-write.
         self._writer.drain()
-        self._fork([host_snapshot_job(job)])
+        self._fork(host_snapshot_job(job))
         return time.perf_counter() - start
 
     def take_background_cost(self) -> float:
@@ -376,14 +378,12 @@ class ForkMaterializer(Materializer):
             self._reaped(pid, status)
 
     def _reaped(self, pid: int, status: int) -> None:
-        paths = self._children.pop(pid)
+        path = self._children.pop(pid)
         code = os.waitstatus_to_exitcode(status)
         if code != 0:
-            self.failures.append(
-                f"background writer {pid} exited with {code}; not written: {', '.join(paths)}"
-            )
+            self.failures.append(f"background writer {pid} exited with {code}; not written: {path}")
 
-    def _fork(self, jobs: list[WriteJob]) -> None:
+    def _fork(self, job: WriteJob) -> None:
         while len(self._children) >= self.max_children:
             oldest = next(iter(self._children))
             _, status = os.waitpid(oldest, 0)
@@ -401,14 +401,14 @@ class ForkMaterializer(Materializer):
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 os.nice(10)  # yield the cores to training when they are contended
                 torch.set_num_threads(1)
-                _run_jobs(jobs)
+                _run_job(job)
                 code = 0
             except BaseException:
                 traceback.print_exc()
             finally:
                 os._exit(code)
         self.forks += 1
-        self._children[pid] = [str(job.path) for job in jobs]
+        self._children[pid] = str(job.path)
 
 
 class _NullWriter:

@@ -134,8 +134,8 @@ class Recorder:
         """Write the state training starts from, so a replay from epoch 0 needs no user seeding.
 
         Through the background path like every checkpoint (a copy for the writer thread, or a
-        fork): the first epoch is warm-up and never the interference
-        meter's baseline, and whatever a writer costs it is charged once a baseline exists.
+        fork): the first epoch is warm-up and never the interference meter's baseline, and
+        whatever a writer costs is charged once it is measured.
         """
         self.charge_fixed(self.write(snapshot, INITIAL_EPOCH, "init.ckpt", step))
 

@@ -100,13 +100,13 @@ def test_copies_are_written_in_order_by_the_writer_thread_and_its_cpu_time_is_ch
 def test_copies_waiting_for_a_slow_writer_thread_are_bounded(tmp_path, monkeypatch):
     import stalwart.hindsight.materializer as materializer_module
 
-    write = materializer_module._run_jobs
+    write = materializer_module._run_job
 
-    def slow(jobs):
+    def slow(job):
         time.sleep(0.2)
-        write(jobs)
+        write(job)
 
-    monkeypatch.setattr(materializer_module, "_run_jobs", slow)
+    monkeypatch.setattr(materializer_module, "_run_job", slow)
     materializer = ForkMaterializer(small_bytes=MB, max_children=2)
     costs = []
     for i in range(5):
