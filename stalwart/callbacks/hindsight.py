@@ -142,7 +142,9 @@ class HindsightCallback(Callback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Before the fit loop builds epoch 0's data iterator, which draws from the RNG.
+        started = time.perf_counter()
         self._rng_at_start = capture_rng()
+        self.recorder.charge_fixed(time.perf_counter() - started)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.run_id is not None and trainer.ckpt_path is None:
@@ -165,9 +167,6 @@ class HindsightCallback(Callback):
         self.recorder.charge_bookkeeping(
             time.perf_counter() - started + spent + self._dispatch_per_batch
         )
-
-    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.recorder.flush()
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Decided here, materialized once the epoch has fully ended (see setup): the module's

@@ -42,8 +42,8 @@ class LogCapture:
         self.keep = keep
         self._pending: list[tuple] = []
         self._module: LightningModule | None = None
-        #: Seconds spent capturing and committing (not in Lightning's own ``log``); the record
-        #: charges them to its overhead.
+        #: Seconds spent capturing values inside ``log`` calls (not in Lightning's own ``log``),
+        #: which the record charges to its overhead; the caller of :meth:`flush` times that.
         self.spent = 0.0
 
     def attach(self, pl_module: LightningModule, trainer: Trainer) -> None:
@@ -74,11 +74,9 @@ class LogCapture:
     def flush(self) -> None:
         if not self._pending:
             return
-        started = time.perf_counter()
         rows = [
             (*row[:4], row[4].item() if isinstance(row[4], torch.Tensor) else row[4], *row[5:])
             for row in self._pending
         ]
         self._pending.clear()
         self.store.add_metrics(rows)
-        self.spent += time.perf_counter() - started

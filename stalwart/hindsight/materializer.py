@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,33 +62,115 @@ def host_snapshot(obj: Any) -> Any:
     CPU tensors are returned as they are: after ``fork`` the child sees them frozen by
     copy-on-write, which is exactly the snapshot needed, at no copying cost.
     """
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_initialized():  # no CUDA tensor can exist (and this check is cheap)
         return obj
+    copied = False
 
     def to_host(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal copied
         if not tensor.is_cuda:
             return tensor
+        copied = True
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
         return host
 
     snapshot = pytree.tree_map_only(torch.Tensor, to_host, obj)
-    torch.cuda.synchronize()
+    if copied:
+        torch.cuda.synchronize()
     return snapshot
 
 
 def host_copy(obj: Any) -> Any:
     """A copy of ``obj`` that later in-place changes to the original cannot reach: CUDA tensors
-    copied once into pinned host memory, CPU tensors cloned, everything else deep-copied."""
-    snapshot = host_snapshot(obj)
-    # Tensors host_snapshot already copied off the GPU are fresh: deepcopy must not copy them
-    # again (its memo maps an object's id to the copy to use).
-    fresh = {
-        id(new): new
-        for old, new in zip(pytree.tree_leaves(obj), pytree.tree_leaves(snapshot), strict=True)
-        if isinstance(new, torch.Tensor) and new is not old
-    }
-    return copy.deepcopy(snapshot, fresh)
+    copied once into pinned host memory, CPU tensors cloned, everything else deep-copied.
+
+    Tensors that share storage (tied weights, views) share it in the copy too, as with
+    ``copy.deepcopy``, so the written file is the size the original would write.
+    """
+    copier = _HostCopier()
+    try:
+        copied = copier.copy(obj)
+    except RecursionError:  # a container that holds itself: deepcopy's memo handles cycles
+        return copy.deepcopy(host_snapshot(obj))
+    if copier.from_cuda:
+        torch.cuda.synchronize()
+    return copied
+
+
+#: Leaves a copy may share with the original: nothing can change them in place.
+_IMMUTABLE = frozenset(
+    {int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device}
+)
+
+
+class _HostCopier:
+    """``copy.deepcopy`` made fast for what checkpoints hold: plain dicts, lists and tuples of
+    numbers, strings and dense tensors.
+
+    ``Tensor.__deepcopy__`` is Python code that costs ~30 us a tensor, and it and deepcopy's
+    per-object dispatch were most of a small checkpoint's main-thread cost (1.1 ms for the
+    159 leaves of a 0.1 MB Lightning checkpoint; 0.2 ms this way). Anything this does not know
+    (tensor subclasses, tensors that need grad, sparse or quantized tensors, other objects)
+    goes through ``copy.deepcopy`` with the same memo.
+    """
+
+    def __init__(self) -> None:
+        self.memo: dict[int, Any] = {}
+        self.storages: dict[int, torch.UntypedStorage] = {}  # original storage's address: copy
+        self.from_cuda = False
+
+    def copy(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind in _IMMUTABLE:
+            return obj
+        known = self.memo.get(id(obj))
+        if known is not None:
+            return known
+        if kind is dict:
+            new: Any = {key: self.copy(value) for key, value in obj.items()}
+        elif kind is list:
+            new = [self.copy(value) for value in obj]
+        elif kind is tuple:
+            new = tuple([self.copy(value) for value in obj])
+        elif kind is OrderedDict:  # a state_dict, whose _metadata attribute load_state_dict reads
+            new = OrderedDict((key, self.copy(value)) for key, value in obj.items())
+            new.__dict__.update(self.copy(vars(obj)))
+        elif kind is torch.Tensor and _plain_tensor(obj):
+            new = self._tensor(obj)
+        else:
+            return copy.deepcopy(obj, self.memo)
+        self.memo[id(obj)] = new
+        return new
+
+    def _tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_cuda:
+            self.from_cuda = True
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            return host.copy_(tensor, non_blocking=True)
+        storage = tensor.untyped_storage()
+        address = storage.data_ptr()
+        copied = self.storages.get(address) if storage.nbytes() else None
+        if copied is None:
+            if tensor.is_contiguous() and tensor.nbytes == storage.nbytes():
+                new = tensor.clone()
+                self.storages[address] = new.untyped_storage()
+                return new
+            copied = self.storages[address] = storage.clone()
+        view = torch.empty(0, dtype=tensor.dtype)
+        return view.set_(copied, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+def _plain_tensor(tensor: torch.Tensor) -> bool:
+    """A dense CPU or CUDA tensor with no autograd history or lazy conjugate/negative bit."""
+    return (
+        tensor.layout is torch.strided
+        and tensor.device.type in ("cpu", "cuda")
+        and not tensor.requires_grad
+        and not tensor.is_quantized
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
 
 
 def _probe_buffer(nbytes: int, cap: int) -> torch.Tensor:

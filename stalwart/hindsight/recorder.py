@@ -191,6 +191,18 @@ class Recorder:
         if not self.recording or epoch <= self.decided_through:
             return None
         ended = time.perf_counter()
+        # One commit for everything the epoch end writes (epoch work, logged values, decision).
+        with self.store.batch():
+            decision = self._account_epoch(epoch, ended, state_bytes, veto)
+        # This epoch end's own work (those writes, the decision, the first cost probe) is the
+        # record's, and the next epoch's clock starts after it.
+        self._clock = time.perf_counter()
+        self.policy.charge_fixed(self._clock - ended)
+        return decision
+
+    def _account_epoch(
+        self, epoch: int, ended: float, state_bytes: Callable[[], int], veto: Callable[[bool], bool]
+    ) -> Decision:
         # What a replay that memoizes this epoch still runs (validation, epoch-end hooks), and
         # what one that re-executes it runs: both for replay's cost estimate.
         epoch_level = ended - (self._last_batch_end or self._clock)
@@ -198,7 +210,7 @@ class Recorder:
         self.flush()
         self.materializer.poll()
         shadowed = self._shadowed or self.materializer.busy
-        epoch_seconds = time.perf_counter() - self._clock
+        epoch_seconds = ended - self._clock
         self._interference.observe(epoch_seconds, shadowed=shadowed, warmup=self._warmup)
         self._warmup = False
         # What background writes took from this epoch: a forked child's measured slowdown (which
@@ -224,7 +236,6 @@ class Recorder:
             self._due = (decision, background)
         else:
             self.store.add_decision(self.run_id, decision.as_dict(), None, background)
-        self._clock = time.perf_counter()
         return decision
 
     def drop_due(self) -> None:
@@ -238,10 +249,13 @@ class Recorder:
             return
         decision, interference = due
         measured = self.write(snapshot, decision.epoch, f"epoch={decision.epoch:04d}.ckpt", step)
+        written = time.perf_counter()
         self.policy.revise_last_cost(decision.materialize_cost, measured)
         self.store.add_decision(self.run_id, decision.as_dict(), measured, interference)
-        # The epoch clock restarts after the checkpoint: C must not include M.
-        self._clock += measured
+        indexed = time.perf_counter() - written
+        self.policy.charge_fixed(indexed)
+        # The next epoch's clock must not include M (nor its index row).
+        self._clock += measured + indexed
 
     def write(self, snapshot: Callable[[], Any], epoch: int, name: str, step: int) -> float:
         """Snapshot the state and hand it to the materializer; returns the seconds it costs
@@ -275,12 +289,17 @@ class Recorder:
         self.materializer.take_background_cost()
         for failure in self.materializer.failures:
             warnings.warn(f"{self.name}: {failure}", stacklevel=3)
+        started = time.perf_counter()
         self.store.finish_run(self.run_id, status)
+        run_dir = self.store.run_dir(self.run_id)
+        # Closing folds SQLite's write-ahead log into the database (~1.5 ms): the fit waits.
+        self.close()
+        self.policy.charge_fixed(time.perf_counter() - started)
         self.materializer = None
         if status != "completed":
             return None
         return (
-            f"{self.name}: recorded {self.store.run_dir(self.run_id)} "
+            f"{self.name}: recorded {run_dir} "
             f"({self.policy.epochs} epochs, {self.policy.checkpoints} checkpoints, "
             f"record overhead {self.policy.overhead:.2%} of training compute (outside checkpoints "
             f"{self.policy.total_fixed / max(self.policy.total_compute, 1e-12):.2%}), "

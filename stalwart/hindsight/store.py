@@ -8,11 +8,12 @@ wrote the file, after the rename, so a row always names a complete file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -252,21 +253,22 @@ class HindsightStore:
         config: dict,
         resumed_from: str | None = None,
     ) -> int:
-        cur = self._conn.execute(
-            "INSERT INTO runs (name, started, status, resumed_from, hparams, fingerprints, config)"
-            " VALUES ('', ?, 'running', ?, ?, ?, ?)",
-            (
-                time.time(),
-                resumed_from,
-                json.dumps(hparams, default=repr, sort_keys=True),
-                json.dumps(fingerprints, sort_keys=True),
-                json.dumps(config, default=repr, sort_keys=True),
-            ),
-        )
-        run_id = int(cur.lastrowid)
-        self._conn.execute(
-            "UPDATE runs SET name = ? WHERE run_id = ?", (f"run_{run_id:04d}", run_id)
-        )
+        with self.batch():  # the row and its name, one commit
+            cur = self._conn.execute(
+                "INSERT INTO runs (name, started, status, resumed_from, hparams, fingerprints,"
+                " config) VALUES ('', ?, 'running', ?, ?, ?, ?)",
+                (
+                    time.time(),
+                    resumed_from,
+                    json.dumps(hparams, default=repr, sort_keys=True),
+                    json.dumps(fingerprints, sort_keys=True),
+                    json.dumps(config, default=repr, sort_keys=True),
+                ),
+            )
+            run_id = int(cur.lastrowid)
+            self._conn.execute(
+                "UPDATE runs SET name = ? WHERE run_id = ?", (f"run_{run_id:04d}", run_id)
+            )
         self.run_dir(run_id).mkdir(exist_ok=True)
         return run_id
 
@@ -284,10 +286,20 @@ class HindsightStore:
             (time.time(), status, run_id),
         )
 
-    def add_metrics(self, rows: Iterable[Sequence]) -> None:
-        """Insert ``(run_id, epoch, step, name, value, hook, source, replay_id)`` rows at once."""
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Commit every write inside the block at once (a commit costs ~0.3 ms; an epoch's end
+        writes several rows). Nested blocks join the outer one; an error rolls the block back."""
+        if self._conn.in_transaction:
+            yield
+            return
         with self._conn:
             self._conn.execute("BEGIN")
+            yield
+
+    def add_metrics(self, rows: Iterable[Sequence]) -> None:
+        """Insert ``(run_id, epoch, step, name, value, hook, source, replay_id)`` rows at once."""
+        with self.batch():
             self._conn.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
     def add_decision(

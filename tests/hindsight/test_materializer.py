@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import os
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from stalwart.hindsight.materializer import (
     ForkMaterializer,
     InlineMaterializer,
     WriteJob,
+    host_copy,
     make_materializer,
 )
 
@@ -74,6 +77,47 @@ def test_mutating_state_right_after_submit_never_changes_what_is_written(tmp_pat
     assert torch.equal(loaded["weight"], expected)
     assert loaded["step"] == 3
     assert (materializer.forks, materializer.copies) == ((0, 1) if small_bytes else (1, 0))
+
+
+def test_the_copy_handed_to_the_writer_is_independent_and_keeps_what_torch_save_keeps():
+    module = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
+    module[1].weight = module[0].weight  # tied: one storage under two names
+    flat = torch.arange(12.0)
+    state = {
+        "state_dict": module.state_dict(),
+        "views": [flat[2:5], flat.view(3, 4)[:, 1]],  # views of one storage
+        "scalars": (3, 0.5, "adam", None, torch.float32),
+        "param": torch.nn.Parameter(torch.ones(2)),  # not a plain tensor: deep-copied
+        "empty": [torch.empty(0), torch.empty(0)],
+    }
+    copied = host_copy(state)
+    names = list(state["state_dict"])
+    assert list(copied["state_dict"]) == names
+    # load_state_dict reads a state dict's _metadata
+    assert copied["state_dict"]._metadata == state["state_dict"]._metadata
+    tied = copied["state_dict"]["0.weight"], copied["state_dict"]["1.weight"]
+    assert tied[0].untyped_storage().data_ptr() == tied[1].untyped_storage().data_ptr()
+    first, column = copied["views"]
+    assert first.untyped_storage().data_ptr() == column.untyped_storage().data_ptr()
+    assert torch.equal(first, flat[2:5]) and torch.equal(column, flat.view(3, 4)[:, 1])
+    assert copied["scalars"] == state["scalars"]
+    assert type(copied["param"]) is torch.nn.Parameter
+    # Nothing done to the original afterwards reaches the copy.
+    with torch.no_grad():
+        for tensor in [*state["state_dict"].values(), flat, state["param"]]:
+            tensor.add_(100.0)
+    assert torch.equal(first, torch.arange(2.0, 5.0))
+    assert torch.equal(copied["param"], torch.ones(2))
+    assert all((tensor < 100).all() for tensor in copied["state_dict"].values())
+    # Written, it holds the storages the original would (the tied one once).
+    assert saved_storage_sizes(copied) == saved_storage_sizes(state) == [160, 40, 48, 8, 0, 0]
+
+
+def saved_storage_sizes(obj) -> list[int]:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    archive = zipfile.ZipFile(buffer)
+    return [i.file_size for i in archive.infolist() if i.filename.split("/")[-1].isdigit()]
 
 
 def test_copies_are_written_in_order_by_the_writer_thread_and_its_cpu_time_is_charged(tmp_path):
