@@ -5,10 +5,12 @@ optimizer step writes is copied on first write (copy-on-write faults, ~0.7 ms pe
 child competes for cores, memory bandwidth and the disk while it serializes, checksums and fsyncs.
 None of that shows in the main thread's fork time; measured side by side it is 20x the fork.
 
-So the cost is measured where it lands: an epoch during which a writer was alive ("shadowed")
-is compared with the lower quartile of clean epochs (no writer alive at any point), and the
-difference is charged to checkpointing. Whole epochs, validation included, so slowdowns spread
-over many batches count as much as the copy-on-write spike of the first one.
+A writer thread's cost depends on the training: its serialization holds the interpreter lock
+that the training loop's Python needs, while its checksum and writes run on another core, free
+or not. So the cost is measured where it lands: an epoch during which a writer was alive
+("shadowed") is compared with the lower quartile of clean epochs (no writer alive at any point),
+and the difference is charged to checkpointing. Whole epochs, validation included, so slowdowns
+spread over many batches count as much as the copy-on-write spike of the first one.
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ class InterferenceMeter:
         if len(self._clean) < 4:
             return min(self._clean)
         return statistics.quantiles(self._clean, n=4)[0]
+
+    @property
+    def settled(self) -> bool:
+        """Enough clean epochs that the baseline is their lower quartile, not one noisy epoch."""
+        return len(self._clean) >= 4
 
     def observe(self, epoch_seconds: float, *, shadowed: bool, warmup: bool = False) -> None:
         """One epoch's compute time. ``warmup`` epochs (the fit's first, which allocates state

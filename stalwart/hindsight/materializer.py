@@ -208,9 +208,10 @@ class Materializer(ABC):
         """Collect finished background work without blocking."""
 
     def take_background_cost(self) -> float:
-        """Seconds of training time background writes took since the last call, where they can
-        be measured directly (a writer thread's CPU time); forked children are measured by their
-        slowdown of training instead (:mod:`stalwart.hindsight.interference`)."""
+        """CPU seconds a writer thread used since the last call: what its writes cost training
+        at most where training uses every core. The recorder charges it only until epochs
+        without a write in flight let it measure the real slowdown
+        (:mod:`stalwart.hindsight.interference`), as it does for forked children."""
         return 0.0
 
     def close(self) -> None:  # noqa: B027
@@ -418,8 +419,8 @@ class ForkMaterializer(Materializer):
 
     @property
     def busy(self) -> bool:
-        """A forked child is alive. (The writer thread's cost is charged as its CPU time.)"""
-        return bool(self._children)
+        """A forked child is alive or the writer thread has a write in hand."""
+        return bool(self._children) or self._writer.pending > 0
 
     @property
     def live_children(self) -> int:

@@ -85,7 +85,9 @@ class Recorder:
 
     def start_fresh(self) -> None:
         """Per-run state: each fit is a new run (a resume then loads the checkpointed state)."""
-        self.policy = JointInvariantPolicy(self.policy.epsilon, self.policy.restore_ratio)
+        self.policy = JointInvariantPolicy(
+            self.policy.epsilon, self.policy.restore_ratio, self.policy.aim
+        )
         self.run_id: int | None = None
         self.resumed_from: str | None = None
         self.decided_through = -1
@@ -121,6 +123,7 @@ class Recorder:
             config={
                 "epsilon": self.policy.epsilon,
                 "restore_ratio": self.policy.restore_ratio,
+                "aim": self.policy.aim,
                 "materializer": self.materializer.name,
                 # What decides the run's floating-point results: replay restores it.
                 NUMERICS_KEY: capture_numerics(),
@@ -211,13 +214,18 @@ class Recorder:
         self.materializer.poll()
         shadowed = self._shadowed or self.materializer.busy
         epoch_seconds = ended - self._clock
-        self._interference.observe(epoch_seconds, shadowed=shadowed, warmup=self._warmup)
+        # What background writes took from this epoch is measured where it lands: an epoch
+        # during which a writer (child or thread) was busy, against clean epochs. Until enough
+        # clean epochs exist (e.g. every epoch checkpointed), a writer thread's CPU time stands
+        # in, charged whole as if training used every core: its serialization holds the
+        # interpreter lock, but its checksum and writes run beside training on a free core.
+        thread_cpu = self.materializer.take_background_cost()
+        if shadowed and thread_cpu > 0 and not self._interference.settled:
+            interference, background = 0.0, thread_cpu
+        else:
+            self._interference.observe(epoch_seconds, shadowed=shadowed, warmup=self._warmup)
+            interference = background = self._interference.take()
         self._warmup = False
-        # What background writes took from this epoch: a forked child's measured slowdown (which
-        # the epoch's time holds), a writer thread's CPU time (which it holds only where the
-        # thread competed for a core; charged whole, to err on the side of the budget).
-        interference = self._interference.take()
-        background = interference + self.materializer.take_background_cost()
         self.policy.charge(background)
         bookkeeping, self._bookkeeping = self._bookkeeping, 0.0
         self.policy.charge_fixed(bookkeeping)

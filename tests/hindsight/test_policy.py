@@ -27,22 +27,34 @@ def run_policy(policy: JointInvariantPolicy, costs, computes) -> list[bool]:
 
 def test_cheap_checkpoints_are_taken_every_epoch():
     policy = JointInvariantPolicy(epsilon=1 / 15)
-    taken = run_policy(policy, [0.5] * 50, [10.0] * 50)  # M/C = 0.05 < eps
+    taken = run_policy(policy, [0.3] * 50, [10.0] * 50)  # M/C = 0.03 < aim * eps
     assert all(taken)
+
+
+def test_checkpoints_the_invariants_share_cannot_pay_are_taken_by_coverage():
+    # M/C = 0.05: within eps (Flor takes every epoch), over the invariant's half of it.
+    policy = JointInvariantPolicy(epsilon=1 / 15)
+    taken = run_policy(policy, [0.5] * 50, [10.0] * 50)
+    assert max(gaps_after(taken, 0)) == policy.coverage_period(0.5, 10.0) == 2
+    assert policy.overhead == pytest.approx(0.5 / 10 * 2 / 3, rel=0.05)  # 2 epochs of 3
+    flor = JointInvariantPolicy(epsilon=1 / 15, aim=1.0)
+    assert all(run_policy(flor, [0.5] * 50, [10.0] * 50))
 
 
 @pytest.mark.parametrize("ratio", [0.1, 0.2, 0.5, 1.0, 3.0])
 def test_steady_expensive_checkpoints_get_a_period_of_about_ratio_over_epsilon(ratio):
-    epsilon = 1 / 15
-    policy = JointInvariantPolicy(epsilon=epsilon)
-    epochs = 600
-    taken = run_policy(policy, [ratio * 2.0] * epochs, [2.0] * epochs)
-    checkpoint_epochs = [i for i, t in enumerate(taken) if t]
-    gaps = [b - a for a, b in zip(checkpoint_epochs, checkpoint_epochs[1:], strict=False)]
+    epsilon, epochs = 1 / 15, 600
+    # Flor's policy (the whole budget to the invariant): a period of about r / eps.
+    flor = JointInvariantPolicy(epsilon=epsilon, aim=1.0)
+    gaps = gaps_after(run_policy(flor, [ratio * 2.0] * epochs, [2.0] * epochs), 0)
     expected = ratio / epsilon
-    mean_gap = sum(gaps) / len(gaps)
-    assert abs(mean_gap - expected) <= 0.1 * expected + 1
+    assert abs(sum(gaps) / len(gaps) - expected) <= 0.1 * expected + 1
     assert max(gaps) <= expected + 1
+    # By default the invariant's half never pays for them: coverage's period, one epoch more.
+    policy = JointInvariantPolicy(epsilon=epsilon)
+    gaps = gaps_after(run_policy(policy, [ratio * 2.0] * epochs, [2.0] * epochs), 0)
+    assert set(gaps) == {math.ceil(ratio / epsilon) + 1}
+    assert policy.overhead <= epsilon
 
 
 def test_ratio_above_restore_bound_uses_the_replay_latency_invariant():

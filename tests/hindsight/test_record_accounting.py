@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import time
+
 import lightning as L
 from digits import DigitsClassifier, DigitsDataModule
 
 import stalwart
 import stalwart.callbacks.hindsight as hindsight_callback
 from stalwart.callbacks.lightning_internals import HOOKS_PER_BATCH, hook_dispatch_seconds
-from stalwart.hindsight.materializer import ForkMaterializer
+from stalwart.hindsight.materializer import ForkMaterializer, Materializer
+from stalwart.hindsight.recorder import Recorder
 
 EPOCHS = 3
 
@@ -59,3 +62,57 @@ def test_what_background_writes_take_is_charged_to_the_checkpoints(tmp_path, mon
     assert policy.total_materialize - policy.total_fixed >= EPOCHS * 1.0
     with stalwart.hindsight.open(tmp_path) as store:
         assert [c.epoch for c in store.run().checkpoints()] == list(range(EPOCHS))
+
+
+class SlowingWriter(Materializer):
+    """A writer thread stand-in: each write reports 1 s of CPU time and is in flight for the
+    whole next epoch, which it slows by SLOWDOWN seconds (so the record has a real slowdown to
+    measure against clean epochs)."""
+
+    name = "slowing"
+    SLOWDOWN = 0.02
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight = False
+        self.untaken = 0
+
+    def probe_cost(self, nbytes: int, directory) -> float:
+        return 1e-3
+
+    def submit(self, job) -> float:
+        self.in_flight = True
+        self.untaken += 1
+        return 1e-3
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight
+
+    def take_background_cost(self) -> float:
+        taken, self.untaken = self.untaken, 0
+        return float(taken)
+
+
+def test_a_writer_threads_cpu_time_stands_in_only_until_clean_epochs_measure_its_slowdown(
+    tmp_path,
+):
+    writer = SlowingWriter()
+    recorder = Recorder(tmp_path, materializer=writer)
+    recorder.begin(hparams={}, fingerprints={}, config={})
+    recorder.train_started()
+    for epoch in range(14):  # checkpoints at even epochs: odd epochs carry a write, even are clean
+        recorder.epoch_started()
+        time.sleep(0.03 + (SlowingWriter.SLOWDOWN if writer.in_flight else 0.0))
+        even = epoch % 2 == 0
+        recorder.epoch_ended(epoch, state_bytes=lambda: 1000, veto=lambda _, even=even: even)
+        writer.in_flight = False  # written during the epoch that just ended
+        recorder.materialize_due(lambda: {"weights": None}, step=epoch)
+    recorder.finish("completed")
+    with stalwart.hindsight.open(tmp_path) as store:
+        charged = store.run().decisions().set_index("epoch").interference
+    # Epochs 1, 3, 5, 7 ran before four clean epochs (2, 4, 6, 8) existed: the CPU time stands in.
+    assert charged[[1, 3, 5, 7]].tolist() == [1.0] * 4
+    # Later writes are charged the slowdown measured (~20 ms each), not 1 s of CPU time.
+    assert 0 < charged[[9, 11, 13]].sum() < 0.3
+    assert charged[[2, 4, 6, 8, 10, 12]].abs().sum() < 0.1
