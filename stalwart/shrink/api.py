@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,6 +137,37 @@ def _check_matches(state_dict: Mapping[str, torch.Tensor], chain: ChainState) ->
     )
 
 
+@contextlib.contextmanager
+def every_core() -> Iterator[None]:
+    """Let torch use every core this process may run on, for a while.
+
+    Training waits while a checkpoint is shrunk, so the search's scoring forwards and the
+    continuation check may use the cores training leaves idle (the char transformer trained with
+    one torch thread on 2 cores: 14.4 s -> 8.6 s of compression for 10 checkpoints). Restored
+    afterwards.
+    """
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if not cores or cores <= before:
+        yield
+        return
+    torch.set_num_threads(cores)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _on_every_core(func: Callable) -> Callable:
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with every_core():
+            return func(*args, **kwargs)
+
+    return wrapper
+
+
+@_on_every_core
 def save(
     state_dict: Mapping[str, torch.Tensor],
     path: str | os.PathLike,

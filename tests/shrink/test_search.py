@@ -2,6 +2,7 @@
 increases precision."""
 
 import argparse
+import os
 
 import pytest
 import torch
@@ -258,3 +259,32 @@ def test_when_the_neighbourhood_has_nothing_within_tau_the_full_search_may_go_co
     )  # fmt: skip
     assert after.search == "neighbourhood"
     assert after.config.at_most_as_aggressive_as(report.config), (report.config, after.config)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_save_scores_on_every_core_and_gives_training_its_threads_back(
+    tmp_path, monkeypatch, fails
+):
+    # Training waits while a checkpoint is shrunk: the search may use the cores it leaves idle.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    seen = []
+
+    def evaluate(state):
+        seen.append(torch.get_num_threads())
+        if fails:
+            raise RuntimeError("scoring failed")
+        return 1.0
+
+    try:
+        weights = {"w": torch.randn(64, 64)}
+        if fails:
+            with pytest.raises(RuntimeError, match="scoring failed"):
+                shrink.save(weights, tmp_path / "x.shrunk", evaluate=evaluate)
+        else:
+            shrink.save(weights, tmp_path / "x.shrunk", evaluate=evaluate)
+        assert seen and set(seen) == {3}
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
