@@ -102,7 +102,8 @@ def workload(
     print(
         "policy decisions per epoch (seconds): M_est = the cost the policy decided on, main = "
         "main-thread cost of the checkpoint taken, background = what background writes took from "
-        "training (a forked writer's measured slowdown, or the writer thread's CPU time), "
+        "training (their measured slowdown of the epochs they ran in; a writer thread's CPU "
+        "time until four clean epochs exist), "
         "C = compute"
     )
     table = decisions.rename(

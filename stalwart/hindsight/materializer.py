@@ -243,9 +243,10 @@ def host_snapshot_job(job: WriteJob) -> WriteJob:
 class WriterThread:
     """Writes jobs in submission order on one daemon thread, and keeps the CPU time it used.
 
-    The thread's CPU time is what it can take from training (its serialization holds the
-    interpreter lock; its checksum, writes and fsyncs release it and use another core, or wait
-    for the disk): the materializer charges it to checkpointing.
+    The thread's CPU time is the most it can take from training where training uses every
+    core (its serialization holds the interpreter lock; its checksum, writes and fsyncs release
+    it and use another core, or wait for the disk): the recorder charges it until clean epochs
+    let it measure the slowdown instead.
     """
 
     def __init__(self) -> None:

@@ -14,6 +14,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from stalwart.hindsight.interference import InterferenceMeter
@@ -134,12 +135,9 @@ class Recorder:
         return self.run_id
 
     def write_initial(self, snapshot: Callable[[], Any], step: int) -> None:
-        """Write the state training starts from, so a replay from epoch 0 needs no user seeding.
-
-        Through the background path like every checkpoint (a copy for the writer thread, or a
-        fork): the first epoch is warm-up and never the interference meter's baseline, and
-        whatever a writer costs is charged once it is measured.
-        """
+        """Write the state training starts from, so a replay from epoch 0 needs no user seeding;
+        through the background path like every checkpoint (the first epoch is warm-up: never the
+        interference meter's baseline)."""
         self.charge_fixed(self.write(snapshot, INITIAL_EPOCH, "init.ckpt", step))
 
     def charge_bookkeeping(self, seconds: float) -> None:
@@ -266,9 +264,9 @@ class Recorder:
         self._clock += measured + indexed
 
     def write(self, snapshot: Callable[[], Any], epoch: int, name: str, step: int) -> float:
-        """Snapshot the state and hand it to the materializer; returns the seconds it costs
-        training: the snapshot plus what the materializer charges (its main-thread time and,
-        for a copy handed to its writer thread, the thread's CPU time)."""
+        """Snapshot the state and hand it to the materializer; returns the seconds it cost the
+        training thread: the snapshot and the submit (a copy, or a fork). What the background
+        write takes from training is charged at the next epoch end (see :meth:`epoch_ended`)."""
         start = time.perf_counter()
         checkpoint = snapshot()
         path = self.store.run_dir(self.run_id) / name
@@ -288,31 +286,21 @@ class Recorder:
         if not self.recording:
             return None
         self.policy.charge(self.materializer.take_background_cost())
+        # The fit waits for the last writes and for the store's close (which folds SQLite's
+        # write-ahead log into the database): all of it is the record's, so what the writer
+        # thread used meanwhile is not charged again.
         started = time.perf_counter()
         self.flush()
         self.materializer.close()
-        # The fit waits for the last writes: every second of it is the record's (so what the
-        # writer thread used meanwhile is not charged again).
-        self.policy.charge_fixed(time.perf_counter() - started)
         self.materializer.take_background_cost()
-        for failure in self.materializer.failures:
-            warnings.warn(f"{self.name}: {failure}", stacklevel=3)
-        started = time.perf_counter()
         self.store.finish_run(self.run_id, status)
         run_dir = self.store.run_dir(self.run_id)
-        # Closing folds SQLite's write-ahead log into the database (~1.5 ms): the fit waits.
         self.close()
         self.policy.charge_fixed(time.perf_counter() - started)
+        for failure in self.materializer.failures:
+            warnings.warn(f"{self.name}: {failure}", stacklevel=3)
         self.materializer = None
-        if status != "completed":
-            return None
-        return (
-            f"{self.name}: recorded {run_dir} "
-            f"({self.policy.epochs} epochs, {self.policy.checkpoints} checkpoints, "
-            f"record overhead {self.policy.overhead:.2%} of training compute (outside checkpoints "
-            f"{self.policy.total_fixed / max(self.policy.total_compute, 1e-12):.2%}), "
-            f"budget {self.policy.epsilon:.2%})"
-        )
+        return summary(self.name, run_dir, self.policy) if status == "completed" else None
 
     def close(self) -> None:
         if self._store is not None:
@@ -357,3 +345,13 @@ class Recorder:
             )
             self.policy.prior(self._cost_estimate)
         return self._cost_estimate
+
+
+def summary(name: str, run_dir: Path, policy: JointInvariantPolicy) -> str:
+    """The one line a completed record ends with: what it took and what it cost."""
+    return (
+        f"{name}: recorded {run_dir} ({policy.epochs} epochs, {policy.checkpoints} checkpoints, "
+        f"record overhead {policy.overhead:.2%} of training compute (outside checkpoints "
+        f"{policy.total_fixed / max(policy.total_compute, 1e-12):.2%}), "
+        f"budget {policy.epsilon:.2%})"
+    )
