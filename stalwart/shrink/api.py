@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -148,7 +149,9 @@ def every_core() -> Iterator[None]:
     """
     before = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if not cores or cores <= before:
+    # From another thread (e.g. Lightning's AsyncCheckpointIO) training goes on meanwhile, and
+    # torch's thread count is the whole process's: leave it.
+    if not cores or cores <= before or threading.current_thread() is not threading.main_thread():
         yield
         return
     torch.set_num_threads(cores)

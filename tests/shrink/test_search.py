@@ -3,6 +3,7 @@ increases precision."""
 
 import argparse
 import os
+import threading
 
 import pytest
 import torch
@@ -286,5 +287,28 @@ def test_a_save_scores_on_every_core_and_gives_training_its_threads_back(
             shrink.save(weights, tmp_path / "x.shrunk", evaluate=evaluate)
         assert seen and set(seen) == {3}
         assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_save_from_another_thread_leaves_torchs_threads_alone(tmp_path, monkeypatch):
+    # e.g. under Lightning's AsyncCheckpointIO training goes on while the save runs.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    seen = []
+
+    def evaluate(state):
+        seen.append(torch.get_num_threads())
+        return 1.0
+
+    try:
+        worker = threading.Thread(
+            target=shrink.save, args=({"w": torch.randn(64, 64)}, tmp_path / "x.shrunk"),
+            kwargs={"evaluate": evaluate},
+        )  # fmt: skip
+        worker.start()
+        worker.join()
+        assert seen and set(seen) == {1}
     finally:
         torch.set_num_threads(before)
