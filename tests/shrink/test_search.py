@@ -262,15 +262,25 @@ def test_when_the_neighbourhood_has_nothing_within_tau_the_full_search_may_go_co
     assert after.config.at_most_as_aggressive_as(report.config), (report.config, after.config)
 
 
-@pytest.mark.parametrize("fails", [False, True])
-def test_a_save_scores_on_every_core_and_gives_training_its_threads_back(
-    tmp_path, monkeypatch, fails
-):
-    # Training waits while a checkpoint is shrunk: the search may use the cores it leaves idle.
+@pytest.fixture
+def one_thread_of_three_cores(monkeypatch):
+    """Training on one torch thread where the process may run on three cores; yields the thread
+    counts a scorer saw."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    seen = []
+    try:
+        yield []
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_save_scores_on_every_core_and_gives_training_its_threads_back(
+    tmp_path, one_thread_of_three_cores, fails
+):
+    # Training waits while a checkpoint is shrunk: the search may use the cores it leaves idle.
+    seen = one_thread_of_three_cores
 
     def evaluate(state):
         seen.append(torch.get_num_threads())
@@ -278,37 +288,25 @@ def test_a_save_scores_on_every_core_and_gives_training_its_threads_back(
             raise RuntimeError("scoring failed")
         return 1.0
 
-    try:
-        weights = {"w": torch.randn(64, 64)}
-        if fails:
-            with pytest.raises(RuntimeError, match="scoring failed"):
-                shrink.save(weights, tmp_path / "x.shrunk", evaluate=evaluate)
-        else:
+    weights = {"w": torch.randn(64, 64)}
+    if fails:
+        with pytest.raises(RuntimeError, match="scoring failed"):
             shrink.save(weights, tmp_path / "x.shrunk", evaluate=evaluate)
-        assert seen and set(seen) == {3}
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
+    else:
+        shrink.save(weights, tmp_path / "x.shrunk", evaluate=evaluate)
+    assert seen and set(seen) == {3}
+    assert torch.get_num_threads() == 1
 
 
-def test_a_save_from_another_thread_leaves_torchs_threads_alone(tmp_path, monkeypatch):
+def test_a_save_from_another_thread_leaves_torchs_threads_alone(
+    tmp_path, one_thread_of_three_cores
+):
     # e.g. under Lightning's AsyncCheckpointIO training goes on while the save runs.
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    seen = []
-
-    def evaluate(state):
-        seen.append(torch.get_num_threads())
-        return 1.0
-
-    try:
-        worker = threading.Thread(
-            target=shrink.save, args=({"w": torch.randn(64, 64)}, tmp_path / "x.shrunk"),
-            kwargs={"evaluate": evaluate},
-        )  # fmt: skip
-        worker.start()
-        worker.join()
-        assert seen and set(seen) == {1}
-    finally:
-        torch.set_num_threads(before)
+    seen = one_thread_of_three_cores
+    worker = threading.Thread(
+        target=shrink.save, args=({"w": torch.randn(64, 64)}, tmp_path / "x.shrunk"),
+        kwargs={"evaluate": lambda state: seen.append(torch.get_num_threads()) or 1.0},
+    )  # fmt: skip
+    worker.start()
+    worker.join()
+    assert seen and set(seen) == {1}
