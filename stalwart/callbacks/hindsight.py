@@ -127,10 +127,9 @@ class HindsightCallback(Callback):
         self.recorder.charge_fixed(fingerprinting)
         # Lightning hands every hook of every batch to this callback too: that is the record's
         # (and so is measuring it).
-        started = time.perf_counter()
-        hooks = HOOKS_PER_BATCH[pl_module.automatic_optimization]
-        self._dispatch_per_batch = hooks * hook_dispatch_seconds(trainer, self)
-        self.recorder.charge_fixed(time.perf_counter() - started)
+        with self.recorder.charged():
+            hooks = HOOKS_PER_BATCH[pl_module.automatic_optimization]
+            self._dispatch_per_batch = hooks * hook_dispatch_seconds(trainer, self)
         self._capture = LogCapture(self.store, run_id, "record")
         self._capture.attach(pl_module, trainer)
         self.recorder.flush_logs = self._capture.flush
@@ -142,9 +141,8 @@ class HindsightCallback(Callback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Before the fit loop builds epoch 0's data iterator, which draws from the RNG.
-        started = time.perf_counter()
-        self._rng_at_start = capture_rng()
-        self.recorder.charge_fixed(time.perf_counter() - started)
+        with self.recorder.charged():
+            self._rng_at_start = capture_rng()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.run_id is not None and trainer.ckpt_path is None:

@@ -71,14 +71,18 @@ def host_snapshot(obj: Any) -> Any:
         if not tensor.is_cuda:
             return tensor
         copied = True
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-        return host
+        return _pinned_copy(tensor)
 
     snapshot = pytree.tree_map_only(torch.Tensor, to_host, obj)
     if copied:
         torch.cuda.synchronize()
     return snapshot
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor's copy into fresh pinned host memory, queued (synchronize before use)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 def host_copy(obj: Any) -> Any:
@@ -146,8 +150,7 @@ class _HostCopier:
     def _tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.is_cuda:
             self.from_cuda = True
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            return host.copy_(tensor, non_blocking=True)
+            return _pinned_copy(tensor)
         storage = tensor.untyped_storage()
         address = storage.data_ptr()
         copied = self.storages.get(address) if storage.nbytes() else None

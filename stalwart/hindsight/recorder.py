@@ -9,10 +9,11 @@ here knows Lightning or Composer: what a checkpoint contains is the adapter's bu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -115,23 +116,22 @@ class Recorder:
 
     def begin(self, *, hparams: dict, fingerprints: dict, config: dict) -> int:
         """Start a new run in the store; ``config`` is added to the policy's own settings."""
-        started = time.perf_counter()
-        self.start_fresh()
-        self.materializer = make_materializer(self._materializer_spec)
-        self.run_id = self.store.begin_run(
-            hparams=hparams,
-            fingerprints=fingerprints,
-            config={
-                "epsilon": self.policy.epsilon,
-                "restore_ratio": self.policy.restore_ratio,
-                "aim": self.policy.aim,
-                "materializer": self.materializer.name,
-                # What decides the run's floating-point results: replay restores it.
-                NUMERICS_KEY: capture_numerics(),
-                **config,
-            },
-        )
-        self.policy.charge_fixed(time.perf_counter() - started)
+        with self.charged():
+            self.start_fresh()
+            self.materializer = make_materializer(self._materializer_spec)
+            self.run_id = self.store.begin_run(
+                hparams=hparams,
+                fingerprints=fingerprints,
+                config={
+                    "epsilon": self.policy.epsilon,
+                    "restore_ratio": self.policy.restore_ratio,
+                    "aim": self.policy.aim,
+                    "materializer": self.materializer.name,
+                    # What decides the run's floating-point results: replay restores it.
+                    NUMERICS_KEY: capture_numerics(),
+                    **config,
+                },
+            )
         return self.run_id
 
     def write_initial(self, snapshot: Callable[[], Any], step: int) -> None:
@@ -148,6 +148,13 @@ class Recorder:
     def charge_fixed(self, seconds: float) -> None:
         """Charge seconds the adapter spent recording outside any checkpoint (e.g. its setup)."""
         self.policy.charge_fixed(seconds)
+
+    @contextlib.contextmanager
+    def charged(self) -> Iterator[None]:
+        """Charge the time the block takes with :meth:`charge_fixed`."""
+        started = time.perf_counter()
+        yield  # (a block that raises ends the record: nothing to charge)
+        self.charge_fixed(time.perf_counter() - started)
 
     def train_started(self) -> None:
         self._clock = time.perf_counter()
@@ -286,9 +293,8 @@ class Recorder:
         if not self.recording:
             return None
         self.policy.charge(self.materializer.take_background_cost())
-        # The fit waits for the last writes and for the store's close (which folds SQLite's
-        # write-ahead log into the database): all of it is the record's, so what the writer
-        # thread used meanwhile is not charged again.
+        # The fit waits for the last writes and the store's close (SQLite's log folded in): all
+        # the record's, so what the writer thread used meanwhile is not charged again.
         started = time.perf_counter()
         self.flush()
         self.materializer.close()
