@@ -677,17 +677,32 @@ def sized_workload(state_mb: float, epoch_seconds: float, epochs: int) -> Worklo
     batches = round((epoch_seconds - validation) / step)
     if batches < 1:
         return f"one step + validation take {step + validation:.2f} s > {epoch_seconds} s"
-    samples = batches * batch_size
-    train_size = min(samples, 1437)
-    return Workload(
-        f" {state_mb} MB / {epoch_seconds} s",
-        width=width,
-        depth=depth,
-        batch_size=batch_size,
-        train_size=train_size,
-        repeats=math.ceil(samples / train_size),
-        epochs=epochs,
-    )
+
+    def sized(batches: int, epochs: int) -> Workload:
+        samples = batches * batch_size
+        train_size = min(samples, 1437)
+        return Workload(
+            f" {state_mb} MB / {epoch_seconds} s",
+            width=width,
+            depth=depth,
+            batch_size=batch_size,
+            train_size=train_size,
+            repeats=math.ceil(samples / train_size),
+            epochs=epochs,
+        )
+
+    # A Lightning batch costs more than the bare step (the loop, its hooks, data loading): a
+    # small model's epoch sized from the step alone ran 2-3x too long. One epoch of a plain fit
+    # is timed as the difference of a 2- and a 1-epoch fit (the fit's start cancels out).
+    probe = sized(max(1, min(batches, round(1.0 / step))), 1)
+    one, two = fit_once(probe, "plain"), fit_once(replace(probe, epochs=2), "plain")
+    validation = two.validation / 2
+    probe_batches = math.ceil(probe.train_size * probe.repeats / batch_size)
+    per_batch = (two.seconds - one.seconds - validation) / probe_batches
+    batches = round((epoch_seconds - validation) / per_batch)
+    if batches < 1:
+        return f"one batch + validation take {per_batch + validation:.2f} s > {epoch_seconds} s"
+    return sized(batches, epochs)
 
 
 def matrix(args: argparse.Namespace) -> None:
