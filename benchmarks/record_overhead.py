@@ -32,6 +32,12 @@ the original. Part 2 also measures what the fork defers: the first in-place writ
 state after a fork (copy-on-write faults, while the child still holds the pages) against the same
 write with no child alive.
 
+``--composer``: Composer's ``Hindsight`` algorithm on the Composer digits MLP in batches of 8
+(``examples/composer_digits.py``; ~13 engine events a batch, Composer's worst case): plain vs a
+no-op logger destination (what Composer charges for one more callback) vs the record with every
+checkpoint vetoed vs the record, ``2 * --reps`` interleaved reps, the wall clock against the
+record's own figure.
+
 Run from the repository root (``--quick`` for a shorter run of about two minutes; the full run
 takes about six to eight minutes on a 2-core machine)::
 
@@ -786,6 +792,75 @@ def print_matrix(done: dict[str, Any]) -> None:
               f"{len(diffs)} cells")  # fmt: skip
 
 
+# -- Composer (--composer) ----------------------------------------------------------------------
+
+COMPOSER_VARIANTS = ("plain", "destination", "no checkpoints", "hindsight")
+
+
+def composer_fit(variant: str, epochs: int, tmpdir: Path) -> tuple[float, float | None]:
+    """One fit of the Composer digits MLP in batches of 8 (~13 engine events a batch); returns
+    the wall clock of ``fit`` and the record's own figure (None without a record)."""
+    from composer.core import Algorithm, Event
+    from composer.loggers import LoggerDestination
+    from composer_digits import digits_loaders, make_trainer
+
+    from stalwart.algorithms import Hindsight
+
+    class Vetoed(Hindsight):
+        def should_checkpoint(self, state: Any, policy_says: bool) -> bool:
+            return False
+
+    class NoOpDestination(Algorithm):
+        """Adds a logger destination that does nothing: what Composer charges for one."""
+
+        def match(self, event: Event, state: Any) -> bool:
+            return event is Event.INIT
+
+        def apply(self, event: Event, state: Any, logger: Any) -> None:
+            destination = LoggerDestination()
+            logger.destinations = (*logger.destinations, destination)
+            state.callbacks.append(destination)
+
+    algorithms = {
+        "plain": [],
+        "destination": [NoOpDestination()],
+        "no checkpoints": [Vetoed(tmpdir)],
+        "hindsight": [Hindsight(tmpdir)],
+    }[variant]
+    fit_trainer = make_trainer(
+        epochs=epochs, algorithms=algorithms, train_dataloader=digits_loaders(8)[0]
+    )
+    start = time.perf_counter()
+    fit_trainer.fit()
+    seconds = time.perf_counter() - start
+    fit_trainer.close()
+    record = next((a for a in algorithms if isinstance(a, Hindsight)), None)
+    return seconds, None if record is None else record.recorder.policy.overhead
+
+
+def composer_part(reps: int, epochs: int) -> None:
+    """Composer's Hindsight: plain vs a no-op logger destination vs the record with every
+    checkpoint vetoed vs the record, interleaved; the wall clock against the record's figure."""
+    print(f"\n== Composer: digits MLP, batches of 8, {epochs} epochs, {reps} interleaved reps")
+    results: dict[str, list[tuple[float, float | None]]] = {v: [] for v in COMPOSER_VARIANTS}
+    with tempfile.TemporaryDirectory(prefix="stalwart-bench-composer-") as tmp:
+        composer_fit("plain", 1, Path(tmp) / "warm-up")
+        for rep in range(reps):
+            for variant in rotated(COMPOSER_VARIANTS, rep):
+                results[variant].append(composer_fit(variant, epochs, Path(tmp) / f"{rep}"))
+    plain = [seconds for seconds, _ in results["plain"]]
+    rows = []
+    for variant, runs in results.items():
+        paired = [seconds / p - 1 for (seconds, _), p in zip(runs, plain, strict=True)]
+        figures = [figure for _, figure in runs if figure is not None]
+        rows.append([
+            variant, f"{median([s for s, _ in runs]):.2f} s",
+            f"{median(paired):+.1%} ({min(paired):+.1%}..{max(paired):+.1%})",
+            f"{median(figures):.1%}" if figures else "",
+        ])  # fmt: skip
+    print(table(["variant", "fit (median)", "vs plain (median, range)", "record's figure"], rows))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and epochs")
@@ -802,6 +877,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=3, help="matrix: repetitions per cell")
     parser.add_argument("--epochs", type=int, default=20, help="matrix: epochs per fit")
     parser.add_argument(
+        "--composer", action="store_true",
+        help="Composer's Hindsight algorithm instead: its wall clock against its own figure",
+    )  # fmt: skip
+    parser.add_argument(
         "--out", default="record_overhead_matrix", help="matrix: folder of matrix.json "
         "(cells already in it are not measured again: an interrupted run resumes)",
     )  # fmt: skip
@@ -813,6 +892,11 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
+    if args.composer:
+        print(f"record_overhead --composer: stalwart {stalwart.__version__} "
+              f"({source_revision()}), load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+        composer_part(reps=args.reps * 2, epochs=6)
+        return
     if args.matrix:
         print(
             f"record_overhead --matrix: stalwart {stalwart.__version__} ({source_revision()}), "
