@@ -57,3 +57,19 @@ def test_a_trainer_loads_its_load_path_between_init_and_after_load():
     load = source.index("checkpoint.load_checkpoint(")
     after = source.index("run_event(Event.AFTER_LOAD)")
     assert init < load < after
+
+
+def test_composer_has_the_engine_methods_hindsight_times():
+    # stalwart.algorithms.hindsight.CallbackDispatch runs these on a stand-in engine.
+    from composer.core import Engine
+
+    assert _params(Engine._run_callbacks)[:2] == ["event", "callbacks"]
+    assert _params(Engine._debug_log) == ["event", "msg"]
+    body = inspect.getsource(Engine._run_callbacks)
+    for used in (
+        "self.state.profiler",
+        "self._debug_log(",
+        "cb.run_event(event, self.state, self.logger)",
+    ):
+        assert used in body, f"Composer changed Engine._run_callbacks: {used}"
+    assert "self.state.timestamp" in inspect.getsource(Engine._debug_log)
