@@ -822,11 +822,11 @@ def composer_fit(variant: str, epochs: int, tmpdir: Path) -> tuple[float, float 
             state.callbacks.append(destination)
 
     algorithms = {
-        "plain": [],
-        "destination": [NoOpDestination()],
-        "no checkpoints": [Vetoed(tmpdir)],
-        "hindsight": [Hindsight(tmpdir)],
-    }[variant]
+        "plain": list,
+        "destination": lambda: [NoOpDestination()],
+        "no checkpoints": lambda: [Vetoed(tmpdir)],
+        "hindsight": lambda: [Hindsight(tmpdir)],
+    }[variant]()
     fit_trainer = make_trainer(
         epochs=epochs, algorithms=algorithms, train_dataloader=digits_loaders(8)[0]
     )

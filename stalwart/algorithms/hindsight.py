@@ -326,8 +326,7 @@ class Hindsight(Algorithm):
             _attach(state, logger, self._destination)
         elif event == Event.FIT_START:
             self._begin(state, logger)
-        elif event == Event.EPOCH_START:
-            self._destination.track(event, state)
+        elif event == Event.EPOCH_START:  # (match has tracked it)
             if self._first_epoch:
                 self._first_epoch = False
                 if int(state.timestamp.batch) == 0:

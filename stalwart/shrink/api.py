@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 import time
@@ -161,16 +160,7 @@ def every_core() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _on_every_core(func: Callable) -> Callable:
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with every_core():
-            return func(*args, **kwargs)
-
-    return wrapper
-
-
-@_on_every_core
+@every_core()  # a fresh context per call (contextlib's decorators recreate it)
 def save(
     state_dict: Mapping[str, torch.Tensor],
     path: str | os.PathLike,
