@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import lightning as L
 from digits import DigitsClassifier, DigitsDataModule
+from lightning.pytorch.profilers import PassThroughProfiler
 
 #: Trainer arguments that keep a test's fit from writing logs, checkpoints or progress output.
 QUIET = {
@@ -19,3 +20,20 @@ def fit_digits(callbacks: list, *, epochs: int, width: int = 8, batch_size: int 
     trainer = L.Trainer(max_epochs=epochs, callbacks=callbacks, **QUIET)
     trainer.fit(DigitsClassifier(width=width), DigitsDataModule(batch_size=batch_size))
     return trainer
+
+
+class SectionNames(PassThroughProfiler):
+    """A profiler that keeps the name of every section Lightning opens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sections: list[str] = []
+
+    def start(self, action_name: str) -> None:
+        self.sections.append(action_name)
+
+
+def callback_hooks_called(profiler: SectionNames, callback) -> list[str]:
+    """The hooks Lightning handed ``callback``, in order, as its profiler sections name them."""
+    prefix = f"[Callback]{callback.state_key}."
+    return [name[len(prefix) :] for name in profiler.sections if name.startswith(prefix)]

@@ -14,11 +14,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from stalwart.callbacks.lightning_internals import (
-    HOOKS_PER_BATCH,
+    dispatched_per_batch,
     dump_checkpoint,
     hook_dispatch_seconds,
     hook_epoch_boundary,
     is_last_batch,
+    skip_unused_hooks,
     unhook_epoch_boundary,
 )
 from stalwart.callbacks.log_capture import LogCapture
@@ -76,6 +77,9 @@ class HindsightCallback(Callback):
         self._inner_loop_end: dict | None = None
         self._rng_at_start: dict | None = None
         self._dispatch_per_batch = 0.0
+        # Lightning would otherwise hand this callback every hook of every batch, each in a
+        # profiler section: more than the record's own per-batch work costs.
+        skip_unused_hooks(self)
 
     @property
     def dirpath(self) -> Path:
@@ -125,10 +129,10 @@ class HindsightCallback(Callback):
         )
         # What recording adds before training is part of its cost (begin charges its own).
         self.recorder.charge_fixed(fingerprinting)
-        # Lightning hands every hook of every batch to this callback too: that is the record's
+        # Lightning hands the batch hooks this callback implements to it: that is the record's
         # (and so is measuring it).
         with self.recorder.charged():
-            hooks = HOOKS_PER_BATCH[pl_module.automatic_optimization]
+            hooks = dispatched_per_batch(self, pl_module.automatic_optimization)
             self._dispatch_per_batch = hooks * hook_dispatch_seconds(trainer, self)
         self._capture = LogCapture(self.store, run_id, "record")
         self._capture.attach(pl_module, trainer)

@@ -22,7 +22,7 @@ from packaging.version import Version
 
 from stalwart.callbacks import lightning_internals as internals
 from stalwart.callbacks.shrink import SAVING_HOOKS, ShrinkCheckpoint
-from tests.helpers import QUIET
+from tests.helpers import QUIET, SectionNames, callback_hooks_called
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -174,3 +174,21 @@ def test_every_model_checkpoint_hook_that_saves_is_one_shrink_checkpoint_wraps()
     for name in SAVING_HOOKS:
         assert name in vars(ShrinkCheckpoint), name
         assert _params(getattr(ShrinkCheckpoint, name)) == _params(getattr(ModelCheckpoint, name))
+
+
+def test_dispatch_skips_the_hooks_a_callback_leaves_unused(tmp_path):
+    # ShrinkCheckpoint (a ModelCheckpoint) sets Callback's no-op hooks to None: Lightning must
+    # skip them rather than call None, and still hand it the hooks it and ModelCheckpoint define.
+    callback = ShrinkCheckpoint(dirpath=tmp_path, keyframe_every=1)
+    profiler = SectionNames()
+    quiet = {key: value for key, value in QUIET.items() if key != "enable_checkpointing"}
+    trainer = L.Trainer(
+        max_epochs=1, limit_train_batches=3, limit_val_batches=1, callbacks=[callback],
+        profiler=profiler, **quiet,
+    )  # fmt: skip
+    trainer.fit(DigitsClassifier(width=8), DigitsDataModule(batch_size=64))
+    called = callback_hooks_called(profiler, callback)
+    assert called.count("on_train_batch_end") == 3 and "on_validation_end" in called
+    assert "on_before_backward" not in called and callback.on_before_backward is None
+    unused = {name for name in called if getattr(Callback, name) is getattr(ShrinkCheckpoint, name)}
+    assert unused <= set(internals._CALLED_DIRECTLY), unused

@@ -9,9 +9,10 @@ from digits import DigitsClassifier, DigitsDataModule
 
 import stalwart
 import stalwart.callbacks.hindsight as hindsight_callback
-from stalwart.callbacks.lightning_internals import HOOKS_PER_BATCH, hook_dispatch_seconds
+from stalwart.callbacks.lightning_internals import dispatched_per_batch, hook_dispatch_seconds
 from stalwart.hindsight.materializer import ForkMaterializer, Materializer
 from stalwart.hindsight.recorder import Recorder
+from tests.helpers import SectionNames, callback_hooks_called
 
 EPOCHS = 3
 
@@ -21,7 +22,7 @@ class EveryEpoch(stalwart.HindsightCallback):
         return True
 
 
-def fit(callback: stalwart.HindsightCallback) -> L.Trainer:
+def fit(callback: stalwart.HindsightCallback, **trainer_args) -> L.Trainer:
     trainer = L.Trainer(
         max_epochs=EPOCHS,
         limit_train_batches=10,
@@ -31,6 +32,7 @@ def fit(callback: stalwart.HindsightCallback) -> L.Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[callback],
+        **trainer_args,
     )
     trainer.fit(DigitsClassifier(width=32), DigitsDataModule())
     return trainer
@@ -42,7 +44,42 @@ def test_lightnings_dispatch_of_every_hook_of_every_batch_is_charged(tmp_path, m
     callback = stalwart.HindsightCallback(dirpath=tmp_path, epsilon=1e-6)
     fit(callback)
     batches = EPOCHS * 10
-    assert callback.recorder.policy.total_fixed >= batches * HOOKS_PER_BATCH[True] * 0.01
+    assert dispatched_per_batch(callback, automatic_optimization=True) == 1
+    assert callback.recorder.policy.total_fixed >= batches * 0.01
+
+
+def test_lightning_hands_the_record_only_the_hooks_it_implements(tmp_path):
+    # Every other hook of every batch, each in a profiler section, cost more than the record's
+    # own per-batch work: Lightning skips them (and the test fails if it stops skipping, or
+    # if an unused hook is handed to the record again).
+    profiler = SectionNames()
+    callback = stalwart.HindsightCallback(dirpath=tmp_path)
+    fit(callback, profiler=profiler)
+    called = callback_hooks_called(profiler, callback)
+    assert called.count("on_train_batch_end") == EPOCHS * 10
+    # Hooks the record implements, and the one Lightning calls directly on every callback
+    # (when it builds a checkpoint, as the record's own snapshot does).
+    expected = set(vars(stalwart.HindsightCallback)) | {"on_save_checkpoint"}
+    assert set(called) <= expected, set(called) - expected
+    for unused in ("on_train_batch_start", "on_before_backward", "on_validation_batch_end"):
+        assert unused not in called
+
+
+class WithOwnHook(stalwart.HindsightCallback):
+    seen = 0
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.seen += 1
+
+
+def test_a_subclass_keeps_the_hooks_it_adds(tmp_path):
+    profiler = SectionNames()
+    callback = WithOwnHook(dirpath=tmp_path)
+    fit(callback, profiler=profiler)
+    assert callback.seen == EPOCHS * 10
+    assert callback_hooks_called(profiler, callback).count("on_before_backward") == EPOCHS * 10
+    # ...and that hook's dispatch is charged with the rest.
+    assert dispatched_per_batch(callback, automatic_optimization=True) == 2
 
 
 def test_the_measured_dispatch_of_one_hook_is_microseconds(tmp_path):
