@@ -654,6 +654,7 @@ MATRIX_STATE_MB = (1, 10, 100, 500)
 MATRIX_EPOCH_SECONDS = (0.1, 1.0, 5.0)
 MATRIX_THREADS = (1, 2)
 CELL_BUDGET_SECONDS = 20 * 60
+MAX_REPS = 12  # pairs per cell at most, however short its fits
 VALIDATION_SAMPLES = 360  # digits' validation split
 
 
@@ -727,14 +728,18 @@ def matrix(args: argparse.Namespace) -> None:
                 key = f"{size:g}MB/{length:g}s/{n_threads}t"
                 if key in done:
                     continue
-                estimate = 2 * args.reps * (args.epochs * length * 1.1 + 2)
+                pair = 2 * (args.epochs * length * 1.1 + 2)  # seconds, one plain + recorded
+                # Short cells are cheap and as noisy as long ones (pairs range over +-5 points
+                # here): more pairs where they fit the per-cell time, --reps at least.
+                reps = max(args.reps, min(MAX_REPS, int(args.cell_seconds / pair)))
+                estimate = reps * pair
                 workload = sized_workload(size, length, args.epochs)
                 if isinstance(workload, str) or estimate > CELL_BUDGET_SECONDS:
                     why = workload if isinstance(workload, str) else f"~{estimate:.0f} s > budget"
                     done[key] = {"skipped": why}
                     print(f"{key}: skipped ({why})", flush=True)
                 else:
-                    done[key] = matrix_cell(workload, args.reps)
+                    done[key] = matrix_cell(workload, reps)
                     print(f"{key}: {done[key]}", flush=True)
                 results_path.write_text(json.dumps(done, indent=1))
     print_matrix(done)
@@ -759,6 +764,7 @@ def matrix_cell(workload: Workload, reps: int) -> dict[str, Any]:
         "checkpoints": median([r.checkpoints for r in recorded]),
         "max_gap": max(r.max_gap for r in recorded),
         "gap_bound": max(r.gap_bound for r in recorded),
+        "pairs": reps,
     }
 
 
@@ -766,13 +772,14 @@ def print_matrix(done: dict[str, Any]) -> None:
     rows, measured = [], []
     for key, cell in done.items():
         if "skipped" in cell:
-            rows.append([key, "skipped: " + cell["skipped"], *[""] * 6])
+            rows.append([key, "skipped: " + cell["skipped"], *[""] * 7])
             continue
         measured.append(cell)
         gap_ok = cell["gap_bound"] == 0 or cell["max_gap"] <= cell["gap_bound"]
         rows.append([
             key,
             f"{cell['state_mb']:.1f} MB, {cell['epoch_s']:.2f} s/epoch",
+            str(cell.get("pairs", "")),
             f"{cell['wall']:+.1%} ({cell['wall_min']:+.1%}..{cell['wall_max']:+.1%})",
             f"{cell['policy']:.1%}",
             f"{abs(cell['wall'] - cell['policy']) * 100:.1f}",
@@ -781,7 +788,7 @@ def print_matrix(done: dict[str, Any]) -> None:
             "yes" if cell["wall"] <= EPSILON else "NO",
         ])  # fmt: skip
     print("\n== Matrix: wall-clock overhead of HindsightCallback (median of paired ratios)")
-    print(table(["cell", "measured workload", "wall clock", "policy", "|diff| pp", "ckpts",
+    print(table(["cell", "measured workload", "pairs", "wall clock", "policy", "|diff| pp", "ckpts",
                  "max gap <= bound", "<= eps"], rows))  # fmt: skip
     if measured:
         walls = [c["wall"] for c in measured]
@@ -876,6 +883,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--matrix-threads", default=",".join(map(str, MATRIX_THREADS)))
     parser.add_argument("--reps", type=int, default=3, help="matrix: repetitions per cell")
     parser.add_argument("--epochs", type=int, default=20, help="matrix: epochs per fit")
+    parser.add_argument(
+        "--cell-seconds", type=float, default=0.0,
+        help="matrix: more pairs (up to 12) in cells whose --reps pairs take less than this",
+    )  # fmt: skip
     parser.add_argument(
         "--composer", action="store_true",
         help="Composer's Hindsight algorithm instead: its wall clock against its own figure",
