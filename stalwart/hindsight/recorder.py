@@ -239,11 +239,8 @@ class Recorder:
         decision = self.policy.decide(
             compute_time=compute_time, materialize_cost=estimate, epoch=epoch
         )
-        # Until the meter has its clean epochs (no writer alive), a writer's slowdown cannot be
-        # measured and its CPU time stands in, which under-charges it where training uses every
-        # core (10 MB every 1-second epoch, 2 threads: +7.7% of wall clock, charged 1.9%). So
-        # until then a checkpoint only follows a clean epoch: checkpoints every epoch would
-        # never let one happen, and every other epoch keeps coverage's shortest period.
+        # Until the meter has clean epochs, a writer's CPU time stands in for its slowdown (less
+        # where training uses every core), so a checkpoint only follows a clean epoch then.
         measurable = self._interference.settled or self.policy.checkpoints == 0 or not shadowed
         decision = replace(decision, checkpoint=veto(decision.checkpoint and measurable))
         self.decided_through = epoch
