@@ -239,9 +239,9 @@ class Recorder:
         decision = self.policy.decide(
             compute_time=compute_time, materialize_cost=estimate, epoch=epoch
         )
-        # Until the meter has clean epochs, a writer's CPU time stands in for its slowdown (less
-        # where training uses every core), so a checkpoint only follows a clean epoch then.
-        measurable = self._interference.settled or self.policy.checkpoints == 0 or not shadowed
+        # Until one clean epoch (no writer alive) has been seen, a checkpoint's true cost cannot
+        # be measured: leave the epoch after the first checkpoint free of a new writer.
+        measurable = self._interference.baseline is not None or self.policy.checkpoints == 0
         decision = replace(decision, checkpoint=veto(decision.checkpoint and measurable))
         self.decided_through = epoch
         if decision.checkpoint:

@@ -153,39 +153,3 @@ def test_a_writer_threads_cpu_time_stands_in_only_until_clean_epochs_measure_its
     # Later writes are charged the slowdown measured (~20 ms each), not 1 s of CPU time.
     assert 0 < charged[[9, 11, 13]].sum() < 0.3
     assert charged[[2, 4, 6, 8, 10, 12]].abs().sum() < 0.1
-
-
-class QuickWriter(SlowingWriter):
-    """A writer whose checkpoints the policy finds cheap enough to take every epoch."""
-
-    def take_background_cost(self) -> float:
-        super().take_background_cost()
-        return 0.0
-
-
-def test_checkpoints_every_epoch_wait_until_clean_epochs_can_measure_their_slowdown(tmp_path):
-    # A write every epoch leaves no clean epoch to measure its slowdown against, and the CPU time
-    # standing in under-charges it where training uses every core: until four clean epochs
-    # exist, the epoch after a checkpoint stays free of a new writer; then the policy decides.
-    writer = QuickWriter()
-    recorder = Recorder(tmp_path, epsilon=0.5, materializer=writer)  # room for every epoch
-    recorder.begin(hparams={}, fingerprints={}, config={})
-    recorder.train_started()
-    for epoch in range(16):
-        recorder.epoch_started()
-        time.sleep(0.05)
-        recorder.epoch_ended(epoch, state_bytes=lambda: 1000)
-        writer.in_flight = False
-        recorder.materialize_due(lambda: {"weights": None}, step=epoch)
-    recorder.finish("completed")
-    with stalwart.hindsight.open(tmp_path) as store:
-        taken = store.run().decisions().set_index("epoch").checkpoint.astype(bool)
-    # The first checkpoint needs no baseline; then, until four clean epochs exist, a checkpoint
-    # every other epoch (never two in a row, never two epochs without); afterwards the policy's
-    # choice of every epoch stands.
-    first = int(taken.idxmax())
-    early = taken[first : first + 8].tolist()
-    pairs = list(zip(early, early[1:], strict=False))
-    assert not any(a and b for a, b in pairs), taken.tolist()
-    assert not any(not a and not b for a, b in pairs), taken.tolist()
-    assert taken[first + 9 :].all(), taken.tolist()
