@@ -63,7 +63,7 @@ HOOKS_PER_BATCH = {
 _CALLED_DIRECTLY = frozenset({"on_save_checkpoint", "on_load_checkpoint"})
 
 
-def skip_unused_hooks(callback: Callback) -> tuple[str, ...]:
+def skip_unused_hooks(callback: Callback) -> None:
     """Make Lightning skip the hooks ``callback``'s class leaves as ``Callback``'s no-ops.
 
     ``trainer/call.py::_call_callback_hooks`` hands every hook of every batch to every callback,
@@ -71,21 +71,11 @@ def skip_unused_hooks(callback: Callback) -> tuple[str, ...]:
     of 1 ms batches 2.5% of its wall clock), but it skips an attribute that is not callable. Each
     hook the class does not override is set to ``None`` on the instance, so Lightning's whole
     cost for it is one attribute lookup. A subclass's own hooks are kept and called as usual.
-
-    Returns the names set to ``None``.
     """
-    skipped = []
     for name, member in vars(Callback).items():
         hook = name.startswith("on_") or name in ("setup", "teardown")
-        if (
-            hook
-            and callable(member)
-            and name not in _CALLED_DIRECTLY
-            and getattr(type(callback), name) is member
-        ):
+        if hook and name not in _CALLED_DIRECTLY and getattr(type(callback), name) is member:
             setattr(callback, name, None)
-            skipped.append(name)
-    return tuple(skipped)
 
 
 def dispatched_per_batch(callback: Callback, automatic_optimization: bool) -> int:
