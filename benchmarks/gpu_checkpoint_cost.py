@@ -7,7 +7,9 @@ the inline one, 3 reps each, for 10 MB / 100 MB / 1 GB; and the pinned copy alon
 Part 2 (default): the user's wall clock. An MLP (``--width`` x ``--layers``, Adam, batch
 ``--batch``) trains ``--steps`` steps and checkpoints its whole state (weights + Adam) every
 ``--every`` steps through each writer, plain training interleaved with them, ``--reps`` reps;
-the wall clock includes waiting for the last write. Medians and ranges.
+the wall clock includes waiting for the last write. Medians and ranges. Writers: a pinned copy
+then a fork; a pinned copy written by the writer thread; the default, which probes both before
+its first checkpoint and keeps the cheaper (its estimate and choice are printed); inline.
 
     python benchmarks/gpu_checkpoint_cost.py --submit
     python benchmarks/gpu_checkpoint_cost.py   # part 2 with its defaults (a 384 MB state)
@@ -31,7 +33,12 @@ from stalwart.hindsight.materializer import (
     tensor_bytes,
 )
 
-WRITERS = {"fork": lambda: ForkMaterializer(small_bytes=0), "inline": InlineMaterializer}
+WRITERS = {
+    "fork": lambda: ForkMaterializer(small_bytes=0),
+    "copy": lambda: ForkMaterializer(small_bytes=1 << 62),  # pinned copy + the writer thread
+    "measured": ForkMaterializer,  # the default: its probe picks one of the two
+    "inline": InlineMaterializer,
+}
 
 
 def submit_costs() -> None:
@@ -72,6 +79,7 @@ def training_wall_clock(args: argparse.Namespace) -> None:
     torch.cuda.synchronize()
     state_mb = tensor_bytes({"m": model.state_dict(), "o": optimizer.state_dict()}) / 2**20
     walls: dict[str, list[float]] = {"plain": [], **{name: [] for name in WRITERS}}
+    probes: list[str] = []  # the measured writer's estimate per checkpoint and its choice
     for _ in range(args.reps):
         for name in walls:
             with tempfile.TemporaryDirectory() as directory:
@@ -82,6 +90,10 @@ def training_wall_clock(args: argparse.Namespace) -> None:
                     step()
                     if writer is not None and (index + 1) % args.every == 0:
                         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+                        if name == "measured" and writer.small_bytes is None:  # as the recorder
+                            cost = writer.probe_cost(tensor_bytes(state), Path(directory))
+                            chose = "copy" if writer.small_bytes else "fork"
+                            probes.append(f"{cost * 1e3:.0f} ms, {chose}")
                         writer.submit(WriteJob(state, Path(directory) / f"{index}.ckpt"))
                 torch.cuda.synchronize()
                 if writer is not None:
@@ -90,10 +102,15 @@ def training_wall_clock(args: argparse.Namespace) -> None:
     plain = statistics.median(walls["plain"])
     print(f"state {state_mb:.0f} MB, {args.steps} steps ({plain / args.steps * 1e3:.0f} ms each), "
           f"a checkpoint every {args.every}, {args.reps} interleaved reps")  # fmt: skip
+    checkpoints = args.steps // args.every
     for name, values in walls.items():
         median = statistics.median(values)
-        print(f"  {name:7s} {median:6.2f} s  {100 * (median / plain - 1):+6.1f}%  "
-              f"[{min(values):.2f}, {max(values):.2f}]")  # fmt: skip
+        per_checkpoint = (median - plain) / checkpoints * 1e3 if name != "plain" else 0.0
+        print(
+            f"  {name:8s} {median:6.2f} s  {100 * (median / plain - 1):+6.1f}%  "
+            f"[{min(values):.2f}, {max(values):.2f}]  {per_checkpoint:6.0f} ms/checkpoint"
+        )
+    print(f"  the measured writer's probe (estimate per checkpoint, choice): {probes}")
 
 
 def main() -> None:

@@ -135,10 +135,14 @@ class Workload:
         )
 
 
+#: Where the matrix trains (``--accelerator``); the other parts always run on CPU.
+ACCELERATOR = {"name": "cpu"}
+
+
 def trainer(epochs: int, callbacks: list | None = None, checkpointing: bool = False) -> L.Trainer:
     return L.Trainer(
         max_epochs=epochs,
-        accelerator="cpu",
+        accelerator=ACCELERATOR["name"],
         devices=1,
         logger=False,
         enable_checkpointing=checkpointing,
@@ -159,6 +163,8 @@ def settle() -> None:
 
 def assert_children_reaped() -> None:
     """Fail if this process has a live or unreaped child left (e.g. a writer not waited for)."""
+    if ACCELERATOR["name"] != "cpu":  # the CUDA runtime keeps helper children of its own
+        return
     try:
         pid, _ = os.waitpid(-1, os.WNOHANG)
     except ChildProcessError:
@@ -321,6 +327,8 @@ class FitResult:
     background_seconds: float = 0.0
     max_gap: int = 0
     gap_bound: int = 0
+    forks: int = 0  # checkpoints the materializer wrote from a forked child
+    copies: int = 0  # ... and from a copy handed to its writer thread
 
 
 def fit_once(workload: Workload, variant: str) -> FitResult:
@@ -332,8 +340,9 @@ def fit_once(workload: Workload, variant: str) -> FitResult:
         if variant == "plain":
             fit_trainer = trainer(workload.epochs, [clock])
         elif variant == "hindsight":
+            materializer = ForkMaterializer()  # the default, kept to read the path it took
             callback = stalwart.HindsightCallback(
-                dirpath=tmpdir, epsilon=EPSILON, materializer="fork"
+                dirpath=tmpdir, epsilon=EPSILON, materializer=materializer
             )
             fit_trainer = trainer(workload.epochs, [clock, callback])
         else:
@@ -375,6 +384,7 @@ def fit_once(workload: Workload, variant: str) -> FitResult:
                 # deferred writes, interference) plus start, finish and log capture.
                 result.policy_overhead = callback.policy.overhead
                 result.max_gap, result.gap_bound = checkpoint_coverage(decisions, EPSILON)
+                result.forks, result.copies = materializer.forks, materializer.copies
             finally:
                 store.close()
         elif variant == "modelckpt":
@@ -660,9 +670,11 @@ VALIDATION_SAMPLES = 360  # digits' validation split
 
 def step_seconds(width: int, depth: int, batch_size: int) -> float:
     """Seconds of one training step (forward, backward, SGD step) of the model, measured."""
-    model = DigitsClassifier(width=width, depth=depth).net
+    device = "cuda" if ACCELERATOR["name"] == "gpu" else "cpu"
+    model = DigitsClassifier(width=width, depth=depth).net.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x, y = torch.randn(batch_size, 64), torch.randint(0, 10, (batch_size,))
+    x = torch.randn(batch_size, 64, device=device)
+    y = torch.randint(0, 10, (batch_size,), device=device)
     times = []
     for _ in range(4):
         start = time.perf_counter()
@@ -670,6 +682,8 @@ def step_seconds(width: int, depth: int, batch_size: int) -> float:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if device == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
@@ -765,6 +779,8 @@ def matrix_cell(workload: Workload, reps: int) -> dict[str, Any]:
         "max_gap": max(r.max_gap for r in recorded),
         "gap_bound": max(r.gap_bound for r in recorded),
         "pairs": reps,
+        "forks": median([r.forks for r in recorded]),
+        "copies": median([r.copies for r in recorded]),
     }
 
 
@@ -783,7 +799,7 @@ def print_matrix(done: dict[str, Any]) -> None:
             f"{cell['wall']:+.1%} ({cell['wall_min']:+.1%}..{cell['wall_max']:+.1%})",
             f"{cell['policy']:.1%}",
             f"{abs(cell['wall'] - cell['policy']) * 100:.1f}",
-            f"{cell['checkpoints']:.0f}",
+            f"{cell['checkpoints']:.0f}" + (" (fork)" if cell.get("forks") else ""),
             f"{cell['max_gap']} <= {cell['gap_bound']}: {'yes' if gap_ok else 'NO'}",
             "yes" if cell["wall"] <= EPSILON else "NO",
         ])  # fmt: skip
@@ -888,6 +904,10 @@ def main(argv: list[str] | None = None) -> None:
         help="matrix: more pairs (up to 12) in cells whose --reps pairs take less than this",
     )  # fmt: skip
     parser.add_argument(
+        "--accelerator", choices=("cpu", "gpu"), default="cpu",
+        help="matrix: where the model trains (the record's writers run on the host either way)",
+    )  # fmt: skip
+    parser.add_argument(
         "--composer", action="store_true",
         help="Composer's Hindsight algorithm instead: its wall clock against its own figure",
     )  # fmt: skip
@@ -909,9 +929,11 @@ def main(argv: list[str] | None = None) -> None:
         composer_part(reps=args.reps * 2, epochs=6)
         return
     if args.matrix:
+        ACCELERATOR["name"] = args.accelerator
         print(
             f"record_overhead --matrix: stalwart {stalwart.__version__} ({source_revision()}), "
-            f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}", flush=True
+            f"{os.cpu_count()} CPUs, accelerator {args.accelerator}, "
+            f"load average {os.getloadavg()[0]:.2f}", flush=True
         )  # fmt: skip
         matrix(args)
         return

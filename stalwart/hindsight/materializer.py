@@ -181,6 +181,47 @@ def _probe_buffer(nbytes: int, cap: int) -> torch.Tensor:
     return torch.ones(max(1, min(nbytes, cap)), dtype=torch.uint8)
 
 
+def python_slowdown(work: Callable[[], Any]) -> tuple[float, float]:
+    """Run ``work`` on another thread while this thread runs Python, as a training loop does;
+    returns (seconds this thread lost to it, CPU seconds ``work`` used).
+
+    What a background write takes from training is the interpreter lock it holds plus the cores
+    it takes from a loop that has none to spare. A GPU loop's thread mostly runs Python and
+    launches kernels, with the host's other cores idle: only the first part lands, and the share
+    of the write's CPU time that does is measured here rather than assumed.
+    """
+    done = threading.Event()
+
+    def spin() -> tuple[int, float]:
+        count, start = 0, time.perf_counter()
+        while not done.is_set():
+            count += 1
+        return count, time.perf_counter() - start
+
+    # The same loop's rate alone (a sleeping timer thread holds no lock and no core).
+    timer = threading.Timer(0.03, done.set)
+    timer.start()
+    count, alone = spin()
+    timer.join()
+    rate = count / alone
+    done.clear()
+    used = [0.0]
+
+    def run() -> None:
+        started = time.thread_time()
+        try:
+            work()
+        finally:
+            used[0] = time.thread_time() - started
+            done.set()
+
+    worker = threading.Thread(target=run, name="stalwart-contention-probe")
+    worker.start()
+    count, elapsed = spin()
+    worker.join()
+    return max(elapsed - count / rate, 0.0), used[0]
+
+
 def _run_job(job: WriteJob) -> None:
     written = write_checkpoint(job.obj, job.path)
     if job.on_written is not None:
@@ -347,13 +388,35 @@ class ForkMaterializer(Materializer):
         self._writer = WriterThread()
         self.forks = 0
         self.copies = 0
+        # The share of a background write's CPU time that slows training: all of it (the safe
+        # assumption) unless measured (prepare). Measured where training runs on a GPU.
+        self.contention = 1.0
+        self._contention_measured = False
         # A child must not be the first to import what torch.save needs: another thread of the
         # parent may have held the import lock at fork time.
         torch.save({"warm": torch.zeros(1)}, _NullWriter())
 
+    def prepare(self, directory: Path) -> None:
+        """In a process using CUDA, measure :attr:`contention` once, before the first write or
+        probe: the share of a probe write's CPU time (on a thread, so lock and cores both) that a
+        Python-bound thread loses. On CPU the write competes with training's own cores, which a
+        probe cannot stand in for: all of it is charged until the interference meter measures it."""
+        if self._contention_measured or not torch.cuda.is_initialized():
+            return
+        self._contention_measured = True
+        probe = _probe_buffer(8 << 20, 8 << 20)
+        path = directory / f".stalwart-probe-{os.getpid()}"
+        shares = []
+        for _ in range(3):
+            lost, used = python_slowdown(lambda: write_checkpoint(probe, path))
+            shares.append(min(lost / used, 1.0) if used > 0 else 1.0)
+        path.unlink(missing_ok=True)
+        self.contention = sorted(shares)[1]
+
     def probe_cost(self, nbytes: int, directory: Path) -> float:
         """What one checkpoint of ``nbytes`` costs training by either path, measured here, now;
         without an explicit ``small_bytes``, the cheaper path becomes this materializer's."""
+        self.prepare(directory)
         if self.small_bytes is not None:
             if nbytes < self.small_bytes:
                 return self._copy_cost(nbytes, directory)
@@ -375,10 +438,14 @@ class ForkMaterializer(Materializer):
         """The copy on the calling thread, plus the writer thread's CPU time for the write (as
         measured on the writes it made, else on a probe write)."""
         probe = _probe_buffer(nbytes, 16 << 20)
+        if torch.cuda.is_initialized():  # a CUDA state's copy: device to fresh pinned memory
+            probe = probe.cuda()
+            torch.cuda.synchronize()
         start = time.perf_counter()
         host_copy(probe)
         copied = time.perf_counter() - start
-        return copied * nbytes / probe.numel() + self._write_cpu(nbytes, directory)
+        writing = self._write_cpu(nbytes, directory) * self.contention
+        return copied * nbytes / probe.numel() + writing
 
     def _write_cpu(self, nbytes: int, directory: Path) -> float:
         """CPU seconds writing ``nbytes`` takes, at the rate of the writer thread's writes so far
@@ -419,7 +486,8 @@ class ForkMaterializer(Materializer):
         copy_on_write = max(shared_write - private_write, 0.0) * nbytes / probe.numel()
         # The child's serialize + checksum + write competes with training for cores and memory
         # bandwidth as the writer thread's would: the same CPU time.
-        return fork_cost + copy_on_write + self._write_cpu(nbytes, directory)
+        writing = self._write_cpu(nbytes, directory) * self.contention
+        return fork_cost + copy_on_write + writing
 
     @property
     def busy(self) -> bool:
@@ -432,6 +500,7 @@ class ForkMaterializer(Materializer):
 
     def submit(self, job: WriteJob) -> float:
         start = time.perf_counter()
+        self.prepare(job.path.parent)
         self.poll()
         nbytes = tensor_bytes(job.obj)
         if self.small_bytes is None or nbytes < self.small_bytes:
@@ -449,7 +518,7 @@ class ForkMaterializer(Materializer):
         return time.perf_counter() - start
 
     def take_background_cost(self) -> float:
-        return self._writer.take_cpu()
+        return self._writer.take_cpu() * self.contention
 
     def poll(self) -> None:
         for pid in list(self._children):

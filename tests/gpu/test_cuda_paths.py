@@ -85,6 +85,31 @@ def test_hindsight_records_cuda_state_through_forked_children_and_replays_bit_ex
     assert values(outer.metrics("w_norm")).equals(values(truth.metrics("w_norm")))
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", ["measured", "copy"])
+def test_default_materializer_records_cuda_state_exactly_by_the_path_it_chose(tmp_path, path):
+    # The default decides between the writer thread's pinned copy and a fork by its probe; the
+    # copy path (_HostCopier's pinned copies, written by the thread) is pinned in the other case.
+    materializer = ForkMaterializer(small_bytes=None if path == "measured" else 1 << 62)
+    seen = WeightsAtEpochEnd()
+    gpu_trainer(tmp_path, [seen], materializer).fit(*fresh())
+    assert seen.devices == {"cuda"} and materializer.failures == []
+    if path == "copy":
+        assert materializer.copies >= EPOCHS and materializer.forks == 0
+    else:  # the probe ran on the GPU state and chose one path for the whole run
+        assert materializer.small_bytes is not None
+        assert materializer.forks + materializer.copies >= EPOCHS
+        assert materializer.forks == 0 or materializer.copies <= 1  # at most the initial state
+    print(f"\n{path}: small_bytes={materializer.small_bytes} forks={materializer.forks} "
+          f"copies={materializer.copies}")  # fmt: skip
+    entries = stalwart.hindsight.open(tmp_path).run().checkpoints()
+    assert len(entries) >= EPOCHS
+    for entry in entries:
+        state = entry.load()["state_dict"]
+        expected = seen.weights[entry.epoch]
+        assert all(torch.equal(state[k], expected[k]) for k in expected), entry.epoch
+
+
 class RestoredWeights(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self.device = pl_module.device.type

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import time
@@ -19,6 +20,7 @@ from stalwart.hindsight.materializer import (
     WriteJob,
     host_copy,
     make_materializer,
+    python_slowdown,
 )
 
 MB = 1 << 20
@@ -202,6 +204,42 @@ def test_the_measured_probe_prices_both_paths(tmp_path):
     by_fork = materializer._fork_cost(16 * MB, tmp_path)
     assert by_copy > 0 and by_fork > 0
     assert list(tmp_path.iterdir()) == []  # the probe writes leave nothing behind
+
+
+def spin_python(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_python_slowdown_counts_the_lock_a_background_job_holds_not_its_free_cores():
+    lost, used = python_slowdown(lambda: spin_python(0.06))  # holds the interpreter lock
+    assert used >= 0.05 and lost >= 0.5 * used
+    lost, used = python_slowdown(lambda: time.sleep(0.06))  # holds nothing
+    assert used < 0.01 and lost < 0.03
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("a job that releases the lock needs a second core to run beside")
+    data = os.urandom(32 * MB)  # hashing releases the lock: it runs on the other core
+    shares = []
+    for _ in range(3):
+        lost, used = python_slowdown(lambda: hashlib.sha256(data).digest())
+        shares.append(lost / used)
+    assert min(shares) <= 0.5, shares
+
+
+def test_with_cuda_in_use_the_writes_share_of_cpu_is_measured_and_charged(tmp_path, monkeypatch):
+    materializer = ForkMaterializer(small_bytes=MB)
+    materializer.prepare(tmp_path)  # no CUDA: all of the writer's CPU time is charged
+    assert materializer.contention == 1.0
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    materializer.prepare(tmp_path)
+    assert 0.0 <= materializer.contention <= 1.0
+    assert list(tmp_path.iterdir()) == []
+    materializer.contention = 0.25  # as if measured: a quarter of the writer's CPU slows training
+    materializer.submit(WriteJob({"w": torch.ones(1 << 16)}, tmp_path / "a.pt"))
+    materializer.close()
+    used = materializer._writer.cpu_seconds
+    assert used > 0 and materializer.take_background_cost() == pytest.approx(0.25 * used)
 
 
 def test_never_more_than_max_children_and_all_reaped(tmp_path):
