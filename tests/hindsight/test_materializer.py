@@ -240,6 +240,11 @@ def test_with_cuda_in_use_the_writes_share_of_cpu_is_measured_and_charged(tmp_pa
     materializer.close()
     used = materializer._writer.cpu_seconds
     assert used > 0 and materializer.take_background_cost() == pytest.approx(0.25 * used)
+    # The probe prices either path's write at that share too: a second of write CPU costs 0.25.
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(materializer, "_write_cpu", lambda nbytes, directory: 1.0)
+    assert 0.25 <= materializer._copy_cost(MB, tmp_path) < 0.3
+    assert 0.25 <= materializer._fork_cost(MB, tmp_path) < 0.3
 
 
 def test_never_more_than_max_children_and_all_reaped(tmp_path):
