@@ -76,3 +76,55 @@ class InterferenceMeter:
         charge = max(excess, -self._charged)
         self._charged += charge
         return charge
+
+
+class FirstWriteMeter:
+    """What the run's first background write (``init.ckpt``) took from the first epoch's batches.
+
+    Until clean epochs exist the :class:`InterferenceMeter` cannot price a write, and the first
+    one overlaps the first epoch. When it ends inside that epoch, the batches that started while
+    it was in flight are compared with the median batch after it (the epoch's first batch, which
+    allocates and warms caches, left out): their excess is what the write cost this run's own
+    training, where a write's CPU time would only bound it.
+
+    Args:
+        min_clean: batches after the write needed for a baseline.
+
+    Example::
+
+        meter = FirstWriteMeter()
+        meter.start(now=0.0, writing=True)
+        for end, writing in [(0.5, True), (0.62, True), (0.72, False), ...]:
+            meter.batch_ended(end, writing)
+        meter.slowdown()  # seconds, or None where it cannot be measured
+    """
+
+    def __init__(self, min_clean: int = 8) -> None:
+        self.min_clean = min_clean
+        self._seconds: list[float] = []
+        self._shadowed: list[bool] = []
+        self._last = 0.0
+        self._writing = False
+
+    def start(self, now: float, writing: bool) -> None:
+        """The epoch starts at ``now``; ``writing``: a write is in flight."""
+        self._last, self._writing = now, writing
+
+    def batch_ended(self, now: float, writing: bool) -> None:
+        """A batch ended at ``now``; ``writing``: a write is still in flight after it."""
+        self._seconds.append(now - self._last)
+        self._shadowed.append(self._writing)
+        self._last, self._writing = now, writing
+
+    def slowdown(self) -> float | None:
+        """Seconds the write took from the batches it overlapped; None where that cannot be
+        measured (no write, one that ended within the first batch or after the epoch, or too few
+        batches after it)."""
+        seconds, shadowed = self._seconds[1:], self._shadowed[1:]
+        clean = [t for t, during in zip(seconds, shadowed, strict=True) if not during]
+        if not any(shadowed) or self._writing or len(clean) < self.min_clean:
+            return None
+        base = statistics.median(clean)
+        return max(
+            sum(t - base for t, during in zip(seconds, shadowed, strict=True) if during), 0.0
+        )
