@@ -235,9 +235,6 @@ class Materializer(ABC):
 
     def __init__(self) -> None:
         self.failures: list[str] = []
-        #: The share of a background write's CPU time that slows training: all of it (the safe
-        #: assumption) until measured (:meth:`measured_share`; on CUDA, ForkMaterializer.prepare).
-        self.contention = 1.0
 
     @abstractmethod
     def submit(self, job: WriteJob) -> float: ...
@@ -263,12 +260,6 @@ class Materializer(ABC):
 
     def close(self) -> None:  # noqa: B027
         """Write everything still pending and wait for it."""
-
-    def measured_share(self, slowdown: float, charged: float) -> None:
-        """A write whose CPU time was charged as ``charged`` seconds took ``slowdown`` seconds
-        from training, measured: later writes are charged (and probed) at that share."""
-        if charged > 0:
-            self.contention = min(self.contention * slowdown / charged, 1.0)
 
 
 class InlineMaterializer(Materializer):
@@ -397,6 +388,9 @@ class ForkMaterializer(Materializer):
         self._writer = WriterThread()
         self.forks = 0
         self.copies = 0
+        # The share of a background write's CPU time that slows training: all of it (the safe
+        # assumption) unless measured (prepare). Measured where training runs on a GPU.
+        self.contention = 1.0
         self._contention_measured = False
         # A child must not be the first to import what torch.save needs: another thread of the
         # parent may have held the import lock at fork time.

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from stalwart.hindsight.interference import FirstWriteMeter, InterferenceMeter
+from stalwart.hindsight.interference import InterferenceMeter
 from stalwart.hindsight.materializer import (
     Materializer,
     WriteJob,
@@ -96,7 +96,6 @@ class Recorder:
         self._cost_estimate: float | None = None
         self._due: tuple[Decision, float] | None = None
         self._interference = InterferenceMeter()
-        self._first_write = FirstWriteMeter()
         self._shadowed = False
         self._warmup = True
         self._last_flush = 0.0
@@ -166,23 +165,18 @@ class Recorder:
         self._last_batch_end = None
         if self.materializer is not None:
             self._shadowed = self.materializer.busy
-            self._first_write.start(time.perf_counter(), self._shadowed)
 
     def batch_ended(self) -> None:
-        """A training batch ended. Logged values are committed about once a second (and at every
-        epoch end), not per batch (~0.1 ms each inside training): a crash loses at most that
-        second of them."""
         if self.materializer is None:
             return
         self._batches += 1
+        # A commit per batch costs ~0.1 ms inside training: commit about once a second instead
+        # (and at every epoch end); a crash loses at most that second of logged values.
         if time.perf_counter() - self._last_flush >= LOG_FLUSH_SECONDS:
             self.flush()
         self.materializer.poll()
-        writing = self.materializer.busy
-        self._shadowed = self._shadowed or writing
+        self._shadowed = self._shadowed or self.materializer.busy
         self._last_batch_end = time.perf_counter()
-        if self._warmup:
-            self._first_write.batch_ended(self._last_batch_end, writing)
 
     def epoch_ended(
         self,
@@ -217,31 +211,21 @@ class Recorder:
     def _account_epoch(
         self, epoch: int, ended: float, state_bytes: Callable[[], int], veto: Callable[[bool], bool]
     ) -> Decision:
-        """Charge the epoch's costs, then decide.
-
-        The epoch's work is stored for replay's cost estimate: what a replay that memoizes this
-        epoch still runs (validation, epoch-end hooks), and what one that re-executes it runs.
-
-        What background writes took from this epoch is measured where it lands: an epoch during
-        which a writer (child or thread) was busy, against clean epochs. Until enough clean
-        epochs exist (e.g. every epoch checkpointed), a writer thread's CPU time stands in, at the
-        materializer's share (whole until measured: its serialization holds the interpreter lock,
-        but its checksum and writes may run beside training on a free core). The run's first
-        write, ``init.ckpt``, is measured on the first epoch's batches where it ends inside it
-        (:class:`~stalwart.hindsight.interference.FirstWriteMeter`); that sets the share.
-        """
+        # What a replay that memoizes this epoch still runs (validation, epoch-end hooks), and
+        # what one that re-executes it runs: both for replay's cost estimate.
         epoch_level = ended - (self._last_batch_end or self._clock)
         self.store.add_epoch_work(self.run_id, epoch, self._batches, epoch_level)
         self.flush()
         self.materializer.poll()
         shadowed = self._shadowed or self.materializer.busy
         epoch_seconds = ended - self._clock
+        # What background writes took from this epoch is measured where it lands: an epoch
+        # during which a writer (child or thread) was busy, against clean epochs. Until enough
+        # clean epochs exist (e.g. every epoch checkpointed), a writer thread's CPU time stands
+        # in, charged whole as if training used every core: its serialization holds the
+        # interpreter lock, but its checksum and writes run beside training on a free core.
         thread_cpu = self.materializer.take_background_cost()
-        first_write = self._first_write.slowdown() if self._warmup else None
-        if first_write is not None and thread_cpu > 0:
-            self.materializer.measured_share(first_write, thread_cpu)
-            interference = background = first_write
-        elif shadowed and thread_cpu > 0 and not self._interference.settled:
+        if shadowed and thread_cpu > 0 and not self._interference.settled:
             interference, background = 0.0, thread_cpu
         else:
             self._interference.observe(epoch_seconds, shadowed=shadowed, warmup=self._warmup)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import lightning as L
-import pytest
 from digits import DigitsClassifier, DigitsDataModule
 
 import stalwart
@@ -154,32 +153,3 @@ def test_a_writer_threads_cpu_time_stands_in_only_until_clean_epochs_measure_its
     # Later writes are charged the slowdown measured (~20 ms each), not 1 s of CPU time.
     assert 0 < charged[[9, 11, 13]].sum() < 0.3
     assert charged[[2, 4, 6, 8, 10, 12]].abs().sum() < 0.1
-
-
-class InitWriter(SlowingWriter):
-    """``init.ckpt`` in flight for the first batches of epoch 0, reporting 1 s of CPU time once
-    written (so charging its CPU time would charge 1 s)."""
-
-    def take_background_cost(self) -> float:
-        return 0.0 if self.in_flight else super().take_background_cost() * self.contention
-
-
-def test_the_first_write_is_charged_what_it_took_from_the_first_epochs_batches(tmp_path):
-    writer, base, slow = InitWriter(), 0.005, 0.01
-    recorder = Recorder(tmp_path, materializer=writer)
-    recorder.begin(hparams={}, fingerprints={}, config={})
-    recorder.write_initial(lambda: {"weights": None}, step=0)
-    recorder.train_started()
-    recorder.epoch_started()
-    for batch in range(24):
-        time.sleep(base + (slow if writer.in_flight else 0.0))
-        writer.in_flight = writer.in_flight and batch < 5  # written during batch 5
-        recorder.batch_ended()
-    recorder.epoch_ended(0, state_bytes=lambda: 1000, veto=lambda _: False)
-    recorder.finish("completed")
-    with stalwart.hindsight.open(tmp_path) as store:
-        charged = store.run().decisions().set_index("epoch").interference[0]
-    # Batches 1-5 (batch 0 is left out) ran 10 ms slower each: ~50 ms, not the 1 s of CPU time;
-    # and later writes' CPU time is charged at that share of it.
-    assert 0.025 < charged < 0.2
-    assert writer.contention == pytest.approx(charged)
