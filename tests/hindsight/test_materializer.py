@@ -227,24 +227,27 @@ def test_python_slowdown_counts_the_lock_a_background_job_holds_not_its_free_cor
     assert min(shares) <= 0.5, shares
 
 
-def test_with_cuda_in_use_the_writes_share_of_cpu_is_measured_and_charged(tmp_path, monkeypatch):
+def test_with_cuda_in_use_the_probe_prices_the_writes_cpu_at_its_measured_share(
+    tmp_path, monkeypatch
+):
     materializer = ForkMaterializer(small_bytes=MB)
-    materializer.prepare(tmp_path)  # no CUDA: all of the writer's CPU time is charged
+    materializer.prepare(tmp_path)  # no CUDA: not measured, all of the write's CPU is priced
     assert materializer.contention == 1.0
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     materializer.prepare(tmp_path)
     assert 0.0 <= materializer.contention <= 1.0
     assert list(tmp_path.iterdir()) == []
     materializer.contention = 0.25  # as if measured: a quarter of the writer's CPU slows training
-    materializer.submit(WriteJob({"w": torch.ones(1 << 16)}, tmp_path / "a.pt"))
-    materializer.close()
-    used = materializer._writer.cpu_seconds
-    assert used > 0 and materializer.take_background_cost() == pytest.approx(0.25 * used)
-    # The probe prices either path's write at that share too: a second of write CPU costs 0.25.
+    # The probe prices either path's write at that share: a second of write CPU costs 0.25 ...
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setattr(materializer, "_write_cpu", lambda nbytes, directory: 1.0)
     assert 0.25 <= materializer._copy_cost(MB, tmp_path) < 0.3
     assert 0.25 <= materializer._fork_cost(MB, tmp_path) < 0.3
+    # ... while what the writes really used stands in whole until the slowdown is measured.
+    materializer.submit(WriteJob({"w": torch.ones(1 << 16)}, tmp_path / "a.pt"))
+    materializer.close()
+    used = materializer._writer.cpu_seconds
+    assert used > 0 and materializer.take_background_cost() == used
 
 
 def test_never_more_than_max_children_and_all_reaped(tmp_path):
