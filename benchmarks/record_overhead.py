@@ -44,6 +44,9 @@ takes about six to eight minutes on a 2-core machine)::
     .venv/bin/python benchmarks/record_overhead.py
     .venv/bin/python benchmarks/record_overhead.py --quick
 
+``--matrix --accelerator gpu`` trains the matrix's models on a CUDA device (the record's writers
+run on the host either way; docs/gpu.md has what one H100 gave).
+
 ``--threads`` sets ``torch.set_num_threads`` for every variant (default 1, leaving the second core
 of a 2-core machine to background writers, as a GPU job leaves CPU cores idle).
 """
