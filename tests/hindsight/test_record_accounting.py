@@ -153,3 +153,43 @@ def test_a_writer_threads_cpu_time_stands_in_only_until_clean_epochs_measure_its
     # Later writes are charged the slowdown measured (~20 ms each), not 1 s of CPU time.
     assert 0 < charged[[9, 11, 13]].sum() < 0.3
     assert charged[[2, 4, 6, 8, 10, 12]].abs().sum() < 0.1
+
+
+def test_cheap_writes_leave_every_other_epoch_clean_until_their_slowdown_is_measured(tmp_path):
+    """A write whose CPU time is tiny but whose slowdown is not (as a writer thread beside two
+    training threads on two cores): the policy would take one every epoch, and with no clean
+    epoch the CPU time would stand in for the whole run. Until the meter has its clean epochs, no
+    write starts at the end of an epoch that had one; after that the slowdown is charged."""
+
+    slowdown = 0.004  # 2% of an epoch: cheap enough for a checkpoint every epoch
+
+    class CheapCpuSlowWrite(SlowingWriter):
+        def probe_cost(self, nbytes: int, directory) -> float:
+            return 1e-5
+
+        def take_background_cost(self) -> float:
+            taken, self.untaken = self.untaken, 0
+            return 1e-5 * taken
+
+    writer = CheapCpuSlowWrite()
+    recorder = Recorder(tmp_path, materializer=writer)
+    recorder.begin(hparams={}, fingerprints={}, config={})
+    recorder.train_started()
+    for epoch in range(24):
+        recorder.epoch_started()
+        time.sleep(0.2 + (slowdown if writer.in_flight else 0.0))
+        recorder.epoch_ended(epoch, state_bytes=lambda: 1000)
+        writer.in_flight = False  # written during the epoch that just ended
+        recorder.materialize_due(lambda: {"weights": None}, step=epoch)
+    recorder.finish("completed")
+    with stalwart.hindsight.open(tmp_path) as store:
+        decisions = store.run().decisions().set_index("epoch")
+    taken = decisions.checkpoint.astype(bool)
+    clean = [e for e in range(1, 24) if not taken[e - 1]]  # no write in flight during epoch e
+    settled_at = clean[3]  # the fourth clean epoch (epoch 0 is warm-up, never the baseline)
+    assert not any(taken[e] and taken[e + 1] for e in range(settled_at))
+    # Once measured, the slowdown is what is charged (~4 ms a write, not 0.01 ms), and the
+    # policy, on that price, takes back-to-back checkpoints again.
+    after = decisions.interference[settled_at + 1 :]
+    assert after.sum() > 0.5 * slowdown * taken[settled_at:-1].sum()
+    assert any(taken[e] and taken[e + 1] for e in range(settled_at, 23))
