@@ -58,16 +58,6 @@ class InterferenceMeter:
         """Enough clean epochs that the baseline is their lower quartile, not one noisy epoch."""
         return len(self._clean) >= 4
 
-    def lets_write(self, shadowed: bool, epochs_since_write: int) -> bool:
-        """Whether a write may start at the end of this epoch and still leave the meter the
-        clean epochs (no writer alive) it measures against: not before the first clean epoch;
-        until four, not at the end of a shadowed epoch that followed a write, so that every other
-        epoch is clean. A write that outlasts an epoch does not hold up the next one past two
-        epochs, coverage's shortest period (its CPU time then keeps standing in)."""
-        if self.baseline is None:
-            return False
-        return self.settled or not shadowed or epochs_since_write >= 2
-
     def observe(self, epoch_seconds: float, *, shadowed: bool, warmup: bool = False) -> None:
         """One epoch's compute time. ``warmup`` epochs (the fit's first, which allocates state
         and warms caches) never form the baseline."""

@@ -240,8 +240,10 @@ class Recorder:
         decision = self.policy.decide(
             compute_time=compute_time, materialize_cost=estimate, epoch=epoch
         )
-        since = self.policy.epochs - self.policy.last_checkpoint_epochs
-        measurable = self.policy.checkpoints == 0 or self._interference.lets_write(shadowed, since)
+        # Until the meter has its clean epochs (no writer alive), a checkpoint's true cost cannot
+        # be measured: no new writer at the end of an epoch that had one, so that every other
+        # epoch is clean until the baseline is settled.
+        measurable = self._interference.settled or self.policy.checkpoints == 0 or not shadowed
         decision = replace(decision, checkpoint=veto(decision.checkpoint and measurable))
         self.decided_through = epoch
         if decision.checkpoint:

@@ -35,17 +35,3 @@ def test_warmup_never_baselines_and_shadowed_epochs_wait_for_a_baseline():
     assert meter.take() == 0.0
     meter.observe(1.0, shadowed=False)
     assert meter.take() == pytest.approx(0.4)
-
-
-def test_a_write_waits_for_clean_epochs_until_the_baseline_is_settled_but_never_past_two():
-    meter = InterferenceMeter()
-    assert not meter.lets_write(shadowed=False, epochs_since_write=5)  # no baseline yet
-    meter.observe(1.0, shadowed=False)
-    assert meter.lets_write(shadowed=False, epochs_since_write=1)
-    # Right after a write, an epoch that had one in flight gets no new write: the next is clean.
-    assert not meter.lets_write(shadowed=True, epochs_since_write=1)
-    # A write that outlasted an epoch does not hold up the next past coverage's shortest period.
-    assert meter.lets_write(shadowed=True, epochs_since_write=2)
-    for seconds in (1.1, 0.9, 1.0):
-        meter.observe(seconds, shadowed=False)
-    assert meter.settled and meter.lets_write(shadowed=True, epochs_since_write=1)
