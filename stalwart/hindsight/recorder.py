@@ -220,11 +220,10 @@ class Recorder:
         shadowed = self._shadowed or self.materializer.busy
         epoch_seconds = ended - self._clock
         # What background writes took from this epoch is measured where it lands: an epoch
-        # during which a writer (child or thread) was busy, against clean epochs. Until four
-        # clean epochs exist (the decision below makes every other epoch clean until then), a
-        # writer thread's CPU time stands in, charged whole as if training used every core. It
-        # can be less than the slowdown: beside two training threads on two cores, a 10 MB
-        # write's ~11 ms of CPU time slowed the epoch by 30-60 ms.
+        # during which a writer (child or thread) was busy, against clean epochs. Until enough
+        # clean epochs exist (e.g. every epoch checkpointed), a writer thread's CPU time stands
+        # in, charged whole as if training used every core: its serialization holds the
+        # interpreter lock, but its checksum and writes run beside training on a free core.
         thread_cpu = self.materializer.take_background_cost()
         if shadowed and thread_cpu > 0 and not self._interference.settled:
             interference, background = 0.0, thread_cpu
@@ -240,10 +239,9 @@ class Recorder:
         decision = self.policy.decide(
             compute_time=compute_time, materialize_cost=estimate, epoch=epoch
         )
-        # Until the meter has its clean epochs (no writer alive), a checkpoint's true cost cannot
-        # be measured: no new writer at the end of an epoch that had one, so that every other
-        # epoch is clean until the baseline is settled.
-        measurable = self._interference.settled or self.policy.checkpoints == 0 or not shadowed
+        # Until one clean epoch (no writer alive) has been seen, a checkpoint's true cost cannot
+        # be measured: leave the epoch after the first checkpoint free of a new writer.
+        measurable = self._interference.baseline is not None or self.policy.checkpoints == 0
         decision = replace(decision, checkpoint=veto(decision.checkpoint and measurable))
         self.decided_through = epoch
         if decision.checkpoint:
