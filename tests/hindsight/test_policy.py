@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 import time
 
 import pytest
@@ -186,3 +187,18 @@ def test_a_record_whose_first_checkpoint_was_slow_keeps_checkpointing(tmp_path):
     assert max(gaps) <= 2 * period, (gaps, period)
     assert (len(taken) - 1) - max(i for i, t in enumerate(taken) if t) <= 2 * period, taken
     assert [c.epoch for c in run.checkpoints()] == [i for i, t in enumerate(taken) if t]
+
+
+def test_a_few_dear_recent_costs_do_not_stretch_coverage_past_the_runs_own_median():
+    """1 MB in 0.1 s epochs, measured: a checkpoint cost ~4.6 ms (r just under eps) through
+    most of a run and ~7.8 ms (just over) for its last few, so the period from the recent costs
+    alone went to 3 epochs where the run's costs as a whole give 2."""
+    epsilon, compute = 1 / 15, 0.107
+    costs = [0.0046] * 30 + [0.0078] * 10
+    policy = JointInvariantPolicy(epsilon=epsilon)
+    taken = run_policy(policy, costs, [compute] * len(costs))
+    assert policy.coverage_period(0.0078, compute) == 3  # what the recent costs alone give
+    run_wide = math.ceil(statistics.median(costs) / compute / epsilon) + 1
+    assert run_wide == 2
+    assert max(gaps_after(taken, 0)) <= run_wide
+    assert policy.overhead <= epsilon
