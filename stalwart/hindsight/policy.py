@@ -67,8 +67,9 @@ class JointInvariantPolicy:
     against the share of it the invariant may spend (``sum(M_taken) + M <= aim * eps * sum(C)``).
     Costs charged after the fact (background interference, the record's start) can put that sum
     over for a long stretch, and expensive checkpoints never fit it; coverage then still takes a
-    checkpoint every ``ceil(r / eps) + 1`` epochs (r: typical M over mean C) when it fits the
-    whole budget of the compute since the previous one.
+    checkpoint every ``ceil(r / eps) + 1`` epochs (r: the lower of the typical M and the run's
+    median expected M, over mean C) when it fits the whole budget of the compute since the
+    previous one.
 
     Args:
         epsilon: record overhead budget, a fraction in (0, 1). Default 1/15 (6.67%), as in Flor.
