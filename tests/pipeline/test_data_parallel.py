@@ -72,6 +72,10 @@ def test_consecutive_kills_drop_a_pipeline_to_standby_without_a_checkpoint(one_p
     # Stages 1 and 2 of pipeline 1 lost together: no replica left for stage 1 there.
     faults = [Fault(rank=5, step=2, phase="forward"), Fault(rank=6, step=2, phase="forward")]
     result = run(faults)
+    # Seen once in a full-suite run (2026-11-26): two events here. Print them if it happens
+    # again: rank 6 may notice rank 5's death before its own fault fires, and die a generation
+    # later.
+    assert len(result.events) == 1, result.events
     (event,) = result.events
     # The policy (thesis §3.7): symmetric pipelines, spare nodes on standby, never more than
     # P x D nodes — for 6 live nodes: one pipeline of 4, 2 on standby.
