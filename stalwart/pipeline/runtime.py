@@ -182,6 +182,12 @@ class StageWorker:
         self._interrupted = bool(todo)  # until the program completes
         self.frc.resume()  # paused since the last commit or failure
         losses = self.interpreter.run(step, self.placement.owner, self.program(todo))
+        # The program is finished once its messages are delivered. A failure seen at the
+        # all-reduce makes this rank drop its links; a neighbour still receiving our last
+        # gradient would be cut short and re-run shards the rest of its (whole) pipeline
+        # keeps: their programs would differ until the failure timeout.
+        self.links.wait_sends()
+        self.profile.tick("WaitSends")
         self._done_shards |= set(todo)
         self._interrupted = False
         m = self.job.num_microbatches
