@@ -559,9 +559,6 @@ def verdict(
     if "CNR-style" in runs:
         cnr_bits = [s.detail for s in runs["CNR-style"].saves]
         print(f"  CNR-style bit widths (bits: tensors) first/last: {cnr_bits[0]} / {cnr_bits[-1]}")
-    if workload.extra_metric is not None:
-        extras = ", ".join(f"{name} {run.extra_metric:.4f}" for name, run in runs.items())
-        print(f"  final {workload.extra_name}: {extras}")
     fits = ", ".join(f"{row.method} {row.fit_seconds:.1f}" for row in rows)
     print(f"  fit seconds incl. checkpointing (shared 2-core machine): {fits}")
     return passed, issue
@@ -598,6 +595,9 @@ def run_workload(
     rows = [summarise(runs[method], workload, reference) for method in methods]
     print_table(workload, rows, tau)
     print_floors(workload, rows)
+    if workload.extra_metric is not None:
+        extras = ", ".join(f"{name} {run.extra_metric:.4f}" for name, run in runs.items())
+        print(f"  final {workload.extra_name}: {extras}")
     if "stalwart" not in runs:  # only noise floors asked for: nothing to judge
         return None, None, rows
     return (*verdict(workload, rows, runs, tau), rows)

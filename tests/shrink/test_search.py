@@ -11,6 +11,7 @@ from torch import nn
 
 import stalwart.shrink as shrink
 from stalwart.errors import ConfigurationError
+from stalwart.shrink.chain import ChainWriter, ShrinkRequest
 from stalwart.shrink.inspect import describe, inspect
 from stalwart.shrink.partition import QuantConfig
 
@@ -310,3 +311,33 @@ def test_a_save_from_another_thread_leaves_torchs_threads_alone(
     worker.start()
     worker.join()
     assert seen and set(seen) == {1}
+
+
+def test_a_keyframe_searches_afresh_so_a_chain_can_come_back_down(tmp_path):
+    # One strict checkpoint (as when a noisy bound calls everything coarse too lossy) pushes the
+    # chain to many levels; the neighbourhood never goes coarser again, but the next keyframe
+    # extends nothing and gets the full search, which finds the coarse configuration again.
+    weights = {"fc.weight": torch.randn(40, 50, generator=torch.Generator().manual_seed(0))}
+    reference = weights["fc.weight"].clone()
+    honest = _squared_error_loss(reference)
+
+    def strict(state):
+        return 1.0 + 20 * (honest(state) - 1.0)
+
+    writer = ChainWriter(keyframe_every=2, compress_optimizer="lossless")
+    search = shrink.ConfigSearch(tau=0.05)
+    reports = [
+        writer.save(weights, None, tmp_path / f"{i}.shrunk", ShrinkRequest(evaluate, search=search))
+        for i, evaluate in enumerate([honest, strict, honest, honest])
+    ]
+    first, climbed, keyframe, after = reports
+    assert [r.kind for r in reports] == ["keyframe", "delta", "keyframe", "delta"]
+    assert climbed.config.bins > first.config.bins, (first.config, climbed.config)
+    assert keyframe.search == "full" and keyframe.config.bins < climbed.config.bins, (
+        climbed.config,
+        keyframe.config,
+    )
+    assert honest(shrink.load(keyframe.path)) - 1.0 <= 0.05 + 1e-6
+    # Between keyframes the paper's rule holds: never more aggressive than the last choice.
+    assert after.search == "neighbourhood"
+    assert after.config.at_most_as_aggressive_as(keyframe.config), (keyframe.config, after.config)
