@@ -62,9 +62,10 @@ class ShrinkReport:
     ``degradation`` (searched saves only) was measured on ``degradation_on``: ``"evaluate"``
     (the full scoring batches) or ``"screen"`` (an answer the search accepted on the screen
     within its margin, see ``screen_accept``). ``search`` says which search chose ``config``:
-    ``"full"`` (the first checkpoint, or a later one whose neighbourhood had nothing within tau:
-    it may then be more aggressive than the previous checkpoint's) or ``"neighbourhood"`` (never
-    more aggressive); None when ``config`` was given.
+    ``"full"`` (the first checkpoint, a keyframe written by a :class:`ChainWriter`, or a later
+    one whose neighbourhood had nothing within tau: it may then be more aggressive than the
+    previous checkpoint's) or ``"neighbourhood"`` (never more aggressive); None when ``config``
+    was given.
     """
 
     path: str
