@@ -48,6 +48,23 @@ class ShrinkRequest:
     parameter_shapes: list[Mapping[Any, tuple[int, ...]]] | None = None
 
 
+def _search_from(search: ConfigSearch, previous: ChainState | None) -> None:
+    """Where this save's search starts: a delta from the file it extends, a keyframe afresh."""
+    if previous is None:
+        # A keyframe extends nothing, so nothing ties it to the last choice: it gets the first
+        # checkpoint's full search. Otherwise the neighbourhood's "never more aggressive" keeps a
+        # chain at whatever one noisy checkpoint pushed it to (char transformer, seed 4: 12
+        # levels from the fifth checkpoint to the last, 29.7x; searched afresh at the keyframe,
+        # 30.8x, docs/shrink.md).
+        search.previous = None
+    elif previous.config is not None:
+        # The file this delta extends is the truth about the last choice. A trainer's saved
+        # search state is one checkpoint behind (Lightning and Composer collect callback state
+        # before the IO runs this checkpoint's search), so a resumed run would otherwise search
+        # from the choice before, which may be more aggressive than the file's.
+        search.previous = previous.config
+
+
 class ChainWriter:
     """Writes successive checkpoints as a delta chain and reads any of them back.
 
@@ -116,12 +133,6 @@ class ChainWriter:
     ) -> ShrinkReport:
         """Write ``weights`` (quantized; a delta when the chain allows) and ``extra``."""
         request = request or ShrinkRequest()
-        if request.search is not None and self.chain is not None and self.chain.config is not None:
-            # The file this chain continues from is the truth about the last choice. A trainer's
-            # saved search state is one checkpoint behind (Lightning and Composer collect callback
-            # state before the IO runs this checkpoint's search), so a resumed run would otherwise
-            # search from the choice before, which may be more aggressive than the file's.
-            request.search.previous = self.chain.config
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         previous = self.chain
@@ -134,13 +145,8 @@ class ChainWriter:
             or {n: tuple(t.shape) for n, t in weights.items()} != previous.shapes
         ):
             previous = None
-        if previous is None and request.search is not None:
-            # A keyframe extends nothing, so nothing ties it to the last choice: it gets the first
-            # checkpoint's full search. Otherwise the neighbourhood's "never more aggressive"
-            # keeps a chain at whatever one noisy checkpoint pushed it to (char transformer,
-            # seed 4: 12 levels from the fifth checkpoint to the last, 29.7x; searched afresh at
-            # the keyframe, 30.8x, docs/shrink.md).
-            request.search.previous = None
+        if request.search is not None:
+            _search_from(request.search, previous)
         report = save(
             weights,
             path,
