@@ -28,7 +28,7 @@ from stalwart.callbacks.replay_loggers import describe_loggers
 from stalwart.hindsight.fingerprint import hook_fingerprints
 from stalwart.hindsight.materializer import Materializer, tensor_bytes
 from stalwart.hindsight.policy import DEFAULT_EPSILON, DEFAULT_RESTORE_RATIO, JointInvariantPolicy
-from stalwart.hindsight.recorder import Recorder
+from stalwart.hindsight.recorder import LOG_FLUSH_SECONDS, Recorder
 from stalwart.hindsight.store import HindsightStore
 from stalwart.hindsight.writeback import LOGGERS_KEY
 from stalwart.rng import RNG_KEY, capture_rng, restore_rng
@@ -77,6 +77,8 @@ class HindsightCallback(Callback):
         self._inner_loop_end: dict | None = None
         self._rng_at_start: dict | None = None
         self._dispatch_per_batch = 0.0
+        self._first_batch = 0
+        self._training_counted = False
         # Lightning would otherwise hand this callback every hook of every batch, each in a
         # profiler section: more than the record's own per-batch work costs.
         skip_unused_hooks(self)
@@ -134,7 +136,7 @@ class HindsightCallback(Callback):
         with self.recorder.charged():
             hooks = dispatched_per_batch(self, pl_module.automatic_optimization)
             self._dispatch_per_batch = hooks * hook_dispatch_seconds(trainer, self)
-        self._capture = LogCapture(self.store, run_id, "record")
+        self._capture = LogCapture(self.store, run_id, "record", flush_every=LOG_FLUSH_SECONDS)
         self._capture.attach(pl_module, trainer)
         self.recorder.flush_logs = self._capture.flush
         # Materialized once the fit loop has finished the epoch, the one exact resume point:
@@ -157,20 +159,36 @@ class HindsightCallback(Callback):
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.recorder.epoch_started()
+        # The fit's batches so far (Lightning's per-epoch count is reset only after this hook).
+        self._first_batch = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+        self._training_counted = False
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if not self.recorder.recording:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Lightning hands every batch to this hook, but only the epoch's last has work here:
+        # what the record counts per batch is summed at the epoch end instead. Counting it here
+        # cost ~10 us a batch in a fit (0.4% of the wall clock of 0.1 s epochs of a 1 MB model).
+        if not is_last_batch(trainer) or not self.recorder.recording:
             return
         started = time.perf_counter()
-        if is_last_batch(trainer):
-            self._inner_loop_end = capture_inner_loop_end(trainer)
-        self.recorder.batch_ended()
-        spent, self._capture.spent = self._capture.spent, 0.0
-        self.recorder.charge_bookkeeping(
-            time.perf_counter() - started + spent + self._dispatch_per_batch
-        )
+        self._inner_loop_end = capture_inner_loop_end(trainer)
+        # Lightning counts this batch completed only after the hook.
+        done = trainer.fit_loop.epoch_loop.batch_progress.total.completed + 1
+        self.recorder.training_ended(done - self._first_batch)
+        self._training_counted = True
+        self.recorder.charge_bookkeeping(time.perf_counter() - started)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.recorder.recording:
+            done = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+            if not self._training_counted:  # the epoch stopped early (e.g. max_steps)
+                self.recorder.training_ended(done - self._first_batch)
+            # The epoch's log captures and Lightning's dispatch of the batch hook to this
+            # callback: the record's, not the epoch's compute.
+            spent, self._capture.spent = self._capture.spent, 0.0
+            dispatch = (done - self._first_batch) * self._dispatch_per_batch
+            self.recorder.charge_bookkeeping(spent + dispatch)
         # Decided here, materialized once the epoch has fully ended (see setup): the module's
         # own on_train_epoch_end and the epoch-interval LR step still run after this hook.
         self.recorder.epoch_ended(

@@ -25,6 +25,9 @@ class LogCapture:
         source: ``"record"`` or ``"replay"``.
         replay_id: tags replayed rows.
         keep: which epochs' values to keep (replay keeps only the requested ones).
+        flush_every: commit from inside a ``log`` call once this many seconds have passed since
+            the last commit, so that a crash loses at most that much; ``None``: only when the
+            owner calls :meth:`flush`.
     """
 
     def __init__(
@@ -34,16 +37,20 @@ class LogCapture:
         source: str,
         replay_id: str | None = None,
         keep: Callable[[int], bool] = lambda epoch: True,
+        flush_every: float | None = None,
     ) -> None:
         self.store = store
         self.run_id = run_id
         self.source = source
         self.replay_id = replay_id
         self.keep = keep
+        self.flush_every = flush_every
+        self._flushed = time.perf_counter()
         self._pending: list[tuple] = []
         self._module: LightningModule | None = None
         #: Seconds spent capturing values inside ``log`` calls (not in Lightning's own ``log``),
-        #: which the record charges to its overhead; the caller of :meth:`flush` times that.
+        #: commits from there included, which the record charges to its overhead; the owner's
+        #: own calls of :meth:`flush` it times itself.
         self.spent = 0.0
 
     def attach(self, pl_module: LightningModule, trainer: Trainer) -> None:
@@ -61,6 +68,8 @@ class LogCapture:
                     (self.run_id, epoch, trainer.global_step, name, captured,
                      current_hook(pl_module), self.source, self.replay_id)
                 )  # fmt: skip
+            if self.flush_every is not None and started - self._flushed >= self.flush_every:
+                self.flush()
             self.spent += time.perf_counter() - started
 
         intercept_log(pl_module, seen)
@@ -72,6 +81,7 @@ class LogCapture:
             self._module = None
 
     def flush(self) -> None:
+        self._flushed = time.perf_counter()
         if not self._pending:
             return
         rows = [

@@ -167,6 +167,9 @@ class Recorder:
             self._shadowed = self.materializer.busy
 
     def batch_ended(self) -> None:
+        """After each training batch: count it, commit logged values about once a second and
+        note whether a background write is in flight. An adapter for which a per-batch call
+        costs more than it is worth calls :meth:`training_ended` once an epoch instead."""
         if self.materializer is None:
             return
         self._batches += 1
@@ -176,6 +179,17 @@ class Recorder:
             self.flush()
         self.materializer.poll()
         self._shadowed = self._shadowed or self.materializer.busy
+        self._last_batch_end = time.perf_counter()
+
+    def training_ended(self, batches: int) -> None:
+        """The epoch's ``batches`` training batches are done (what remains is validation and the
+        epoch-end hooks). Instead of :meth:`batch_ended` after each batch: whether a background
+        write overlapped the epoch is already known, since writes start only between epochs
+        (:meth:`epoch_started` notes one still in flight, :meth:`epoch_ended` one still busy);
+        the adapter commits logged values at least every ``LOG_FLUSH_SECONDS`` itself."""
+        if self.materializer is None:
+            return
+        self._batches = batches
         self._last_batch_end = time.perf_counter()
 
     def epoch_ended(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import time
 
 import lightning as L
@@ -22,7 +24,7 @@ class EveryEpoch(stalwart.HindsightCallback):
         return True
 
 
-def fit(callback: stalwart.HindsightCallback, **trainer_args) -> L.Trainer:
+def fit(callback: stalwart.HindsightCallback | list, **trainer_args) -> L.Trainer:
     trainer = L.Trainer(
         max_epochs=EPOCHS,
         limit_train_batches=10,
@@ -31,7 +33,7 @@ def fit(callback: stalwart.HindsightCallback, **trainer_args) -> L.Trainer:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[callback],
+        callbacks=callback if isinstance(callback, list) else [callback],
         **trainer_args,
     )
     trainer.fit(DigitsClassifier(width=32), DigitsDataModule())
@@ -63,6 +65,38 @@ def test_lightning_hands_the_record_only_the_hooks_it_implements(tmp_path):
     assert set(called) <= expected, set(called) - expected
     for unused in ("on_train_batch_start", "on_before_backward", "on_validation_batch_end"):
         assert unused not in called
+
+
+class CountsCommittedLosses(L.Callback):
+    """Reads, from its own connection, how many train_loss values the record has committed."""
+
+    def __init__(self, db) -> None:
+        self.db = db
+        self.committed: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.current_epoch == 0 and batch_idx == 5:
+            with contextlib.closing(sqlite3.connect(self.db)) as db:
+                query = "SELECT COUNT(*) FROM metrics WHERE name = 'train_loss'"
+                self.committed.append(db.execute(query).fetchone()[0])
+
+
+def test_logged_values_are_committed_during_an_epoch_not_only_at_its_end(tmp_path, monkeypatch):
+    # A crash mid-epoch loses at most LOG_FLUSH_SECONDS of logged values: the record commits
+    # them from inside the logging calls once that long has passed (here: at once), although
+    # it does no work of its own after each batch.
+    monkeypatch.setattr(hindsight_callback, "LOG_FLUSH_SECONDS", 0.0)
+    peek = CountsCommittedLosses(tmp_path / "hindsight.db")
+    fit([stalwart.HindsightCallback(dirpath=tmp_path), peek])
+    assert peek.committed == [6]  # batches 0-5 each logged one
+
+
+def test_an_epoch_cut_short_counts_the_batches_it_ran(tmp_path):
+    # The batches of an epoch are counted at its end: also when max_steps stops it before its
+    # last batch, which the record otherwise notes the end of training batches at.
+    fit([stalwart.HindsightCallback(dirpath=tmp_path)], max_steps=13)
+    with stalwart.hindsight.open(tmp_path) as store:
+        assert store.run().epoch_work().batches.tolist() == [10, 3]
 
 
 class WithOwnHook(stalwart.HindsightCallback):
