@@ -169,17 +169,17 @@ class Recorder:
     def batch_ended(self) -> None:
         """After each training batch: count it, commit logged values about once a second and
         note whether a background write is in flight. An adapter for which a per-batch call
-        costs more than it is worth calls :meth:`training_ended` once an epoch instead."""
+        costs more than it is worth calls :meth:`training_ended` once an epoch instead.
+
+        A commit per batch costs ~0.1 ms inside training: so about once a second (and at every
+        epoch end); a crash loses at most that second of logged values."""
         if self.materializer is None:
             return
-        self._batches += 1
-        # A commit per batch costs ~0.1 ms inside training: commit about once a second instead
-        # (and at every epoch end); a crash loses at most that second of logged values.
         if time.perf_counter() - self._last_flush >= LOG_FLUSH_SECONDS:
             self.flush()
         self.materializer.poll()
         self._shadowed = self._shadowed or self.materializer.busy
-        self._last_batch_end = time.perf_counter()
+        self.training_ended(self._batches + 1)
 
     def training_ended(self, batches: int) -> None:
         """The epoch's ``batches`` training batches are done (what remains is validation and the
@@ -225,19 +225,22 @@ class Recorder:
     def _account_epoch(
         self, epoch: int, ended: float, state_bytes: Callable[[], int], veto: Callable[[bool], bool]
     ) -> Decision:
-        # What a replay that memoizes this epoch still runs (validation, epoch-end hooks), and
-        # what one that re-executes it runs: both for replay's cost estimate.
+        """Record the epoch's work and decide.
+
+        The epoch-level time (validation, epoch-end hooks) is what a replay that memoizes the
+        epoch still runs; with the batches, what one that re-executes it runs: both for replay's
+        cost estimate. What background writes took from this epoch is measured where it lands:
+        an epoch during which a writer (child or thread) was busy, against clean epochs. Until
+        enough clean epochs exist (e.g. every epoch checkpointed), a writer thread's CPU time
+        stands in, charged whole as if training used every core: its serialization holds the
+        interpreter lock, but its checksum and writes run beside training on a free core.
+        """
         epoch_level = ended - (self._last_batch_end or self._clock)
         self.store.add_epoch_work(self.run_id, epoch, self._batches, epoch_level)
         self.flush()
         self.materializer.poll()
         shadowed = self._shadowed or self.materializer.busy
         epoch_seconds = ended - self._clock
-        # What background writes took from this epoch is measured where it lands: an epoch
-        # during which a writer (child or thread) was busy, against clean epochs. Until enough
-        # clean epochs exist (e.g. every epoch checkpointed), a writer thread's CPU time stands
-        # in, charged whole as if training used every core: its serialization holds the
-        # interpreter lock, but its checksum and writes run beside training on a free core.
         thread_cpu = self.materializer.take_background_cost()
         if shadowed and thread_cpu > 0 and not self._interference.settled:
             interference, background = 0.0, thread_cpu
