@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from stalwart.callbacks.lightning_internals import (
+    batches_completed,
     dispatched_per_batch,
     dump_checkpoint,
     hook_dispatch_seconds,
@@ -159,8 +160,7 @@ class HindsightCallback(Callback):
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.recorder.epoch_started()
-        # The fit's batches so far (Lightning's per-epoch count is reset only after this hook).
-        self._first_batch = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+        self._first_batch = batches_completed(trainer)
         self._training_counted = False
 
     def on_train_batch_end(
@@ -173,15 +173,14 @@ class HindsightCallback(Callback):
             return
         started = time.perf_counter()
         self._inner_loop_end = capture_inner_loop_end(trainer)
-        # Lightning counts this batch completed only after the hook.
-        done = trainer.fit_loop.epoch_loop.batch_progress.total.completed + 1
+        done = batches_completed(trainer) + 1  # this batch is counted after the hook
         self.recorder.training_ended(done - self._first_batch)
         self._training_counted = True
         self.recorder.charge_bookkeeping(time.perf_counter() - started)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.recorder.recording:
-            done = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+            done = batches_completed(trainer)
             if not self._training_counted:  # the epoch stopped early (e.g. max_steps)
                 self.recorder.training_ended(done - self._first_batch)
             # The epoch's log captures and Lightning's dispatch of the batch hook to this

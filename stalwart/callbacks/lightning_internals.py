@@ -152,6 +152,12 @@ def is_last_batch(trainer: Trainer) -> bool:
     return trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
 
 
+def batches_completed(trainer: Trainer) -> int:
+    """Training batches the fit has completed (its per-epoch count is reset only after
+    ``on_train_epoch_start``; inside ``on_train_batch_end`` the batch ending is not counted yet)."""
+    return trainer.fit_loop.epoch_loop.batch_progress.total.completed
+
+
 def current_hook(pl_module: LightningModule) -> str | None:
     """The LightningModule or callback hook running now (where a ``self.log`` call came from)."""
     return pl_module._current_fx_name
