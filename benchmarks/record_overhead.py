@@ -47,6 +47,10 @@ takes about six to eight minutes on a 2-core machine)::
 ``--matrix --accelerator gpu`` trains the matrix's models on a CUDA device (the record's writers
 run on the host either way; docs/gpu.md has what one H100 gave).
 
+``--write-path``: only what one background checkpoint write of each ``--sizes`` MB takes from a
+Python loop on the main thread, torch writing into a Python file object (as stalwart did) against
+torch writing the file by name (as ``stalwart.durable.save_torch`` does), interleaved.
+
 ``--threads`` sets ``torch.set_num_threads`` for every variant (default 1, leaving the second core
 of a 2-core machine to background writers, as a GPU job leaves CPU cores idle).
 """
@@ -85,10 +89,14 @@ sys.path.insert(0, str(ROOT / "examples"))
 from digits import DigitsClassifier, DigitsDataModule  # noqa: E402
 
 import stalwart  # noqa: E402
+from stalwart import durable  # noqa: E402
+from stalwart.hindsight.checkpoint_file import write_checkpoint  # noqa: E402
 from stalwart.hindsight.materializer import (  # noqa: E402
     ForkMaterializer,
     InlineMaterializer,
     WriteJob,
+    host_copy,
+    python_slowdown,
 )
 
 EPSILON = 1 / 15
@@ -691,11 +699,16 @@ def step_seconds(width: int, depth: int, batch_size: int) -> float:
     return statistics.median(times[1:])
 
 
+def width_for(state_mb: float) -> int:
+    """The width of a depth-3 digits MLP whose weights + SGD momentum are ~state_mb."""
+    return max(8, int(math.sqrt(state_mb * MB / 8 / 2)))  # 2 hidden layers of width^2 weights
+
+
 def sized_workload(state_mb: float, epoch_seconds: float, epochs: int) -> Workload | str:
     """A digits MLP whose checkpoint (weights + SGD momentum) is ~state_mb and whose epoch lasts
     ~epoch_seconds on this machine now; or why no such workload fits."""
     depth, batch_size = 3, 32
-    width = max(8, int(math.sqrt(state_mb * MB / 8 / 2)))  # 2 hidden layers of width^2 weights
+    width = width_for(state_mb)
     step = step_seconds(width, depth, batch_size)
     validation = VALIDATION_SAMPLES / batch_size * step / 3  # forward only
     batches = round((epoch_seconds - validation) / step)
@@ -727,6 +740,44 @@ def sized_workload(state_mb: float, epoch_seconds: float, epochs: int) -> Worklo
     if batches < 1:
         return f"one batch + validation take {per_batch + validation:.2f} s > {epoch_seconds} s"
     return sized(batches, epochs)
+
+
+def write_path(sizes_mb: list[float], reps: int) -> None:
+    """What a writer thread's checkpoint takes from a Python loop on the main thread (the
+    interpreter lock), torch writing into a Python file object (stalwart before 2026-11-27)
+    against torch writing the file by name (``durable.save_torch`` now), interleaved."""
+    print(f"\n== Write path: a writer thread's checkpoint vs a Python loop ({reps} reps)")
+    rows = [write_path_row(state_mb, reps) for state_mb in sizes_mb]
+    headers = ["checkpoint", "loop lost ms, file object (median, range)", "by name",
+               "file object / by name", "writer CPU ms, file object / by name"]  # fmt: skip
+    print(table(headers, rows))
+
+
+def write_path_row(state_mb: float, reps: int) -> list[str]:
+    workload = Workload("", width_for(state_mb), 3, 32, train_size=64, repeats=1, epochs=1)
+    one_epoch = trainer(1)
+    one_epoch.fit(workload.model(), workload.data())
+    checkpoint = host_copy(dump_checkpoint(one_epoch))
+    nbytes = sum(t.numel() * t.element_size() for t in state_tensors(checkpoint))
+    lost: dict[str, list[float]] = {"file object": [], "by name": []}
+    cpu: dict[str, list[float]] = {"file object": [], "by name": []}
+    with tempfile.TemporaryDirectory(prefix="stalwart-bench-write-") as tmp:
+        path = Path(tmp) / "epoch.ckpt"
+        ways: dict[str, Callable[[], Any]] = {
+            "file object": lambda: durable.write_atomic(path, lambda f: torch.save(checkpoint, f)),
+            "by name": lambda: write_checkpoint(checkpoint, path),
+        }
+        for rep in range(reps):
+            for name in rotated(tuple(ways), rep):
+                taken, used = python_slowdown(ways[name])
+                lost[name].append(taken * 1e3)
+                cpu[name].append(used * 1e3)
+    spread = {n: f"{median(v):.2f} ({min(v):.2f}..{max(v):.2f})" for n, v in lost.items()}
+    return [
+        f"{nbytes / MB:.1f} MB", spread["file object"], spread["by name"],
+        f"{median(lost['file object']) / max(median(lost['by name']), 1e-3):.1f}x",
+        f"{median(cpu['file object']):.1f} / {median(cpu['by name']):.1f}",
+    ]  # fmt: skip
 
 
 def matrix(args: argparse.Namespace) -> None:
@@ -915,6 +966,11 @@ def main(argv: list[str] | None = None) -> None:
         help="Composer's Hindsight algorithm instead: its wall clock against its own figure",
     )  # fmt: skip
     parser.add_argument(
+        "--write-path", action="store_true",
+        help="only what a background checkpoint write of --sizes MB takes from a Python loop: "
+        "torch writing into a file object vs by name",
+    )  # fmt: skip
+    parser.add_argument(
         "--out", default="record_overhead_matrix", help="matrix: folder of matrix.json "
         "(cells already in it are not measured again: an interrupted run resumes)",
     )  # fmt: skip
@@ -930,6 +986,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"record_overhead --composer: stalwart {stalwart.__version__} "
               f"({source_revision()}), load average {os.getloadavg()[0]:.2f}")  # fmt: skip
         composer_part(reps=args.reps * 2, epochs=6)
+        return
+    if args.write_path:
+        write_path([float(v) for v in args.sizes.split(",")], reps=args.reps * 10)
         return
     if args.matrix:
         ACCELERATOR["name"] = args.accelerator

@@ -82,6 +82,17 @@ def test_a_failing_writer_leaves_the_previous_file_and_no_temp(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["state.bin"]
 
 
+def test_a_failing_torch_save_leaves_the_previous_file_and_no_temp(tmp_path):
+    # torch writes the temp file by name; a pickling error midway must not reach the target.
+    path = tmp_path / "state.pt"
+    durable.save_torch({"w": torch.ones(3)}, path)
+    before = path.read_bytes()
+    with pytest.raises(Exception, match="pickle"):
+        durable.save_torch({"w": torch.ones(1 << 20), "hook": lambda: None}, path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]
+
+
 def test_streaming_writer_counts_every_byte(tmp_path):
     chunks = [b"a" * 10, memoryview(b"bc"), bytearray(b"def")]
 

@@ -1,8 +1,9 @@
 """A real writer process SIGKILLed in the middle of a durable write, for the crash-safety tests.
 
 The child is a fresh ``python -c`` that runs a writer of stalwart (hindsight's checkpoint writer,
-shrink's container writer) on a path that already holds a good file. Its disk is made to stall
-once ``stall_after`` bytes of the temp file are written: every byte before that is the real
+shrink's container writer) on a path that already holds a good file. Its disk (the files
+``stalwart.durable`` opens, and those ``torch.save`` opens by name) is made to stall once
+``stall_after`` bytes of the temp file are written: every byte before that is the real
 writer's, the stall stands in for a slow disk so the kill always lands mid-write (on a fast disk
 a write of tens of MB can finish between two polls, and the test would not be deterministic).
 """
@@ -56,6 +57,21 @@ class _StallingFile:
 
 
 durable.open = lambda path, mode: _StallingFile(open(path, mode))
+
+# durable.save_torch lets torch write its temp file by name: that write goes to the same disk.
+import torch
+
+_save_by_name = torch.save
+
+
+def _save_to_stalling_disk(obj, f, *args, **kwargs):
+    if isinstance(f, (str, os.PathLike)):
+        with _StallingFile(open(f, "wb")) as handle:
+            return _save_by_name(obj, handle, *args, **kwargs)
+    return _save_by_name(obj, f, *args, **kwargs)
+
+
+torch.save = _save_to_stalling_disk
 """
 
 
