@@ -111,8 +111,9 @@ def write_atomic(
 
     Args:
         path: the final path; its directory must exist.
-        content: the bytes, or a function that writes them to the file object it is given
-            (e.g. ``lambda f: torch.save(obj, f)``), so large payloads stream.
+        content: the bytes, or a function that writes them to the file object it is given,
+            so large payloads stream (for ``torch.save`` use :func:`save_torch`, which lets
+            torch write the file by name).
         seal: append a trailer with the payload's size and CRC-32 for :func:`read_sealed`.
 
     Returns:
