@@ -234,7 +234,11 @@ def test_with_cuda_in_use_the_probe_prices_the_writes_cpu_at_its_measured_share(
     materializer.prepare(tmp_path)  # no CUDA: not measured, all of the write's CPU is priced
     assert materializer.contention == 1.0
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    materializer.prepare(tmp_path)
+    synced = []  # a probe measures CPU time: it never waits for the disk
+    with monkeypatch.context() as probing:
+        probing.setattr(os, "fsync", synced.append)
+        materializer.prepare(tmp_path)
+    assert synced == []
     assert 0.0 <= materializer.contention <= 1.0
     assert list(tmp_path.iterdir()) == []
     materializer.contention = 0.25  # as if measured: a quarter of the writer's CPU slows training
