@@ -44,8 +44,15 @@ takes about six to eight minutes on a 2-core machine)::
     .venv/bin/python benchmarks/record_overhead.py
     .venv/bin/python benchmarks/record_overhead.py --quick
 
-``--matrix --accelerator gpu`` trains the matrix's models on a CUDA device (the record's writers
-run on the host either way; docs/gpu.md has what one H100 gave).
+``--matrix``: plain vs recorded over state size x epoch length x torch threads (``--sizes``,
+``--epoch-seconds``, ``--matrix-threads``), each fit in a new Python process as a user's script
+runs (``--process same``: all in this one). ``--malloc pinned`` runs both variants with glibc's
+trim and mmap thresholds pinned: with the heap as it comes, a fresh process training a 10 MB
+model faulted 1.8 million pages a plain fit and 38 thousand a recorded one (the record's copies
+keep the heap from trimming), so the plain fit ran 22-32% slower than the recorded one beside it;
+pinned, the two compare the record's own cost. ``--matrix --accelerator gpu`` trains the matrix's
+models on a CUDA device (the record's writers run on the host either way; docs/gpu.md has what
+one H100 gave).
 
 ``--write-path``: only what one background checkpoint write of each ``--sizes`` MB takes from a
 Python loop on the main thread, torch writing into a Python file object (as stalwart did) against
@@ -63,6 +70,7 @@ import json
 import logging
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -70,7 +78,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +156,13 @@ class Workload:
 
 #: Where the matrix trains (``--accelerator``); the other parts always run on CPU.
 ACCELERATOR = {"name": "cpu"}
+#: glibc's heap settings for the matrix's fresh processes (``--malloc``): ``pinned`` stops the
+#: heap from handing large freed buffers back to the system and faulting them in again, a churn
+#: that moved plain fits of 10-100 MB models by 10-30% with the process's history, and that a
+#: record's own allocations shift either way (docs/hindsight.md).
+MALLOC = {"default": {}, "pinned": {"MALLOC_TRIM_THRESHOLD_": "4294967296",
+                                    "MALLOC_MMAP_THRESHOLD_": "4294967296"}}  # fmt: skip
+CHILD_ENV: dict[str, str] = {}
 
 
 def trainer(epochs: int, callbacks: list | None = None, checkpointing: bool = False) -> L.Trainer:
@@ -338,6 +353,7 @@ class FitResult:
     background_seconds: float = 0.0
     max_gap: int = 0
     gap_bound: int = 0
+    faults: int = 0  # minor page faults of this process during fit (the C heap's churn)
     forks: int = 0  # checkpoints the materializer wrote from a forked child
     copies: int = 0  # ... and from a copy handed to its writer thread
 
@@ -365,14 +381,17 @@ def fit_once(workload: Workload, variant: str) -> FitResult:
             )
             fit_trainer = trainer(workload.epochs, [clock, callback], checkpointing=True)
         foreign = ForeignCpu()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         fit_trainer.fit(model, data)
         end = time.perf_counter()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         other_cores = foreign.cores()
         assert_children_reaped()
         result = FitResult(
             end - start, clock.train, clock.validation, end - clock.train_end_at, other_cores
         )
+        result.faults = faults
         if variant == "hindsight":
             store = stalwart.hindsight.open(tmpdir)
             try:
@@ -404,6 +423,38 @@ def fit_once(workload: Workload, variant: str) -> FitResult:
             result.ckpt_bytes = max((f.stat().st_size for f in files), default=0)
     del fit_trainer, model, data
     return result
+
+
+def fit_in_fresh_process(workload: Workload, variant: str) -> FitResult:
+    """``fit_once`` in a new Python process, as a user's training script runs: no earlier fit's
+    heap, caches or threads carry over (the C heap's history moved a 100 MB cell's plain fits
+    by 10-20% within one process). Only ``fit`` is timed, in the child, as in ``fit_once``."""
+    settle()
+    request = {
+        "workload": asdict(workload),
+        "variant": variant,
+        "threads": torch.get_num_threads(),
+        "accelerator": ACCELERATOR["name"],
+    }
+    child = subprocess.run(
+        [sys.executable, __file__, "--one-fit", json.dumps(request)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, **CHILD_ENV},
+    )
+    if child.returncode != 0:
+        raise RuntimeError(f"a {variant} fit in a fresh process failed:\n{child.stderr[-4000:]}")
+    return FitResult(**json.loads(child.stdout.strip().splitlines()[-1]))
+
+
+def one_fit(request: str) -> None:
+    """The child's side of ``fit_in_fresh_process``: one fit, its result as a JSON line."""
+    spec = json.loads(request)
+    torch.set_num_threads(spec["threads"])
+    ACCELERATOR["name"] = spec["accelerator"]
+    result = fit_once(Workload(**spec["workload"]), spec["variant"])
+    print(json.dumps(asdict(result)), flush=True)
 
 
 def checkpoint_coverage(decisions: Any, epsilon: float) -> tuple[int, int]:
@@ -807,18 +858,20 @@ def matrix(args: argparse.Namespace) -> None:
                     done[key] = {"skipped": why}
                     print(f"{key}: skipped ({why})", flush=True)
                 else:
-                    done[key] = matrix_cell(workload, reps)
+                    done[key] = matrix_cell(workload, reps, fresh=args.process == "fresh")
                     print(f"{key}: {done[key]}", flush=True)
                 results_path.write_text(json.dumps(done, indent=1))
     print_matrix(done)
 
 
-def matrix_cell(workload: Workload, reps: int) -> dict[str, Any]:
-    fit_once(replace(workload, epochs=2), "plain")  # warm-up
+def matrix_cell(workload: Workload, reps: int, fresh: bool = False) -> dict[str, Any]:
+    fit = fit_in_fresh_process if fresh else fit_once
+    if not fresh:
+        fit_once(replace(workload, epochs=2), "plain")  # warm-up
     plain, recorded = [], []
     for rep in range(reps):
         for variant in rotated(("plain", "hindsight"), rep):
-            (plain if variant == "plain" else recorded).append(fit_once(workload, variant))
+            (plain if variant == "plain" else recorded).append(fit(workload, variant))
     ratios = [r.seconds / p.seconds - 1 for p, r in zip(plain, recorded, strict=True)]
     return {
         "epoch_s": median([p.seconds for p in plain]) / workload.epochs,
@@ -835,6 +888,8 @@ def matrix_cell(workload: Workload, reps: int) -> dict[str, Any]:
         "pairs": reps,
         "forks": median([r.forks for r in recorded]),
         "copies": median([r.copies for r in recorded]),
+        "faults_plain": median([p.faults for p in plain]),
+        "faults_recorded": median([r.faults for r in recorded]),
     }
 
 
@@ -842,7 +897,7 @@ def print_matrix(done: dict[str, Any]) -> None:
     rows, measured = [], []
     for key, cell in done.items():
         if "skipped" in cell:
-            rows.append([key, "skipped: " + cell["skipped"], *[""] * 7])
+            rows.append([key, "skipped: " + cell["skipped"], *[""] * 8])
             continue
         measured.append(cell)
         gap_ok = cell["gap_bound"] == 0 or cell["max_gap"] <= cell["gap_bound"]
@@ -856,10 +911,12 @@ def print_matrix(done: dict[str, Any]) -> None:
             f"{cell['checkpoints']:.0f}" + (" (fork)" if cell.get("forks") else ""),
             f"{cell['max_gap']} <= {cell['gap_bound']}: {'yes' if gap_ok else 'NO'}",
             "yes" if cell["wall"] <= EPSILON else "NO",
+            f"{cell.get('faults_plain', 0) / 1e3:.0f}k / {cell.get('faults_recorded', 0) / 1e3:.0f}"
+            "k",
         ])  # fmt: skip
     print("\n== Matrix: wall-clock overhead of HindsightCallback (median of paired ratios)")
     print(table(["cell", "measured workload", "pairs", "wall clock", "policy", "|diff| pp", "ckpts",
-                 "max gap <= bound", "<= eps"], rows))  # fmt: skip
+                 "max gap <= bound", "<= eps", "page faults plain / rec"], rows))  # fmt: skip
     if measured:
         walls = [c["wall"] for c in measured]
         diffs = [abs(c["wall"] - c["policy"]) for c in measured]
@@ -962,6 +1019,17 @@ def main(argv: list[str] | None = None) -> None:
         help="matrix: where the model trains (the record's writers run on the host either way)",
     )  # fmt: skip
     parser.add_argument(
+        "--process", choices=("fresh", "same"), default="fresh",
+        help="matrix: every fit in a new Python process, as a user runs one (default), or all "
+        "in this one (earlier fits' heap and caches carry over)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--malloc", choices=tuple(MALLOC), default="default",
+        help="matrix, fresh processes: glibc's heap as it comes, or with its trim and mmap "
+        "thresholds pinned (no trimming of freed buffers) in plain and recorded fits alike",
+    )  # fmt: skip
+    parser.add_argument("--one-fit", help=argparse.SUPPRESS)  # fit_in_fresh_process's child
+    parser.add_argument(
         "--composer", action="store_true",
         help="Composer's Hindsight algorithm instead: its wall clock against its own figure",
     )  # fmt: skip
@@ -982,6 +1050,9 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
+    if args.one_fit:
+        one_fit(args.one_fit)
+        return
     if args.composer:
         print(f"record_overhead --composer: stalwart {stalwart.__version__} "
               f"({source_revision()}), load average {os.getloadavg()[0]:.2f}")  # fmt: skip
@@ -992,9 +1063,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.matrix:
         ACCELERATOR["name"] = args.accelerator
+        if args.malloc != "default" and args.process != "fresh":
+            parser.error("--malloc applies to fresh processes (--process fresh)")
+        CHILD_ENV.update(MALLOC[args.malloc])
         print(
             f"record_overhead --matrix: stalwart {stalwart.__version__} ({source_revision()}), "
-            f"{os.cpu_count()} CPUs, accelerator {args.accelerator}, "
+            f"{os.cpu_count()} CPUs, accelerator {args.accelerator}, {args.process} process "
+            f"per fit, malloc {args.malloc}, "
             f"load average {os.getloadavg()[0]:.2f}", flush=True
         )  # fmt: skip
         matrix(args)
