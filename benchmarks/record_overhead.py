@@ -428,8 +428,8 @@ def fit_once(workload: Workload, variant: str) -> FitResult:
 def fit_in_fresh_process(workload: Workload, variant: str) -> FitResult:
     """``fit_once`` in a new Python process, as a user's training script runs: no earlier fit's
     heap, caches or threads carry over (the C heap's history moved a 100 MB cell's plain fits
-    by 10-20% within one process). Only ``fit`` is timed, in the child, as in ``fit_once``."""
-    settle()
+    by 10-20% within one process). Only ``fit`` is timed, in the child, as in ``fit_once``
+    (which also settles the machine there first)."""
     request = {
         "workload": asdict(workload),
         "variant": variant,
