@@ -233,29 +233,6 @@ def test_the_probe_prices_a_warm_copy_and_write_not_the_processs_first(tmp_path,
     assert 0.002 <= price < 0.05, price
 
 
-def test_the_write_price_leaves_out_the_processs_first_write(tmp_path, monkeypatch):
-    """The first write (a run's init.ckpt) paid one-time costs: the price is the rate of the
-    writes after it, or a probe write while there are none (no warm-up: the process is warm)."""
-    import stalwart.hindsight.materializer as materializer_module
-
-    materializer = ForkMaterializer()
-    materializer.submit(WriteJob({"w": torch.ones(1 << 16)}, tmp_path / "init.pt"))
-    materializer._writer.drain()
-    assert materializer._writer.writes == 1 and materializer._writer.warm_bytes == 0
-    probes = []
-    monkeypatch.setattr(materializer_module, "_probe_write", lambda obj, path: probes.append(path))
-    materializer._write_cpu(MB, tmp_path)
-    assert len(probes) == 1  # one timed probe write, no warm-up
-    materializer.submit(WriteJob({"w": torch.ones(1 << 16)}, tmp_path / "a.pt"))
-    materializer.close()
-    writer = materializer._writer
-    assert writer.writes == 2 and writer.warm_bytes == (1 << 16) * 4
-    assert writer.warm_cpu_seconds < writer.cpu_seconds
-    price = materializer._write_cpu(MB, tmp_path)
-    assert len(probes) == 1  # priced from the second write alone
-    assert price == pytest.approx(writer.warm_cpu_seconds / writer.warm_bytes * MB)
-
-
 def spin_python(seconds: float) -> None:
     end = time.thread_time() + seconds
     while time.thread_time() < end:
