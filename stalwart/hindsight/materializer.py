@@ -459,8 +459,6 @@ class ForkMaterializer(Materializer):
         if torch.cuda.is_initialized():  # a CUDA state's copy: device to fresh pinned memory
             probe = probe.cuda()
             torch.cuda.synchronize()
-        # Priced warm, as every checkpoint's after the first: see _write_cpu.
-        host_copy(probe)
         start = time.perf_counter()
         host_copy(probe)
         copied = time.perf_counter() - start
@@ -473,13 +471,6 @@ class ForkMaterializer(Materializer):
         if not self._writer.bytes_written:
             probe = _probe_buffer(nbytes, 16 << 20)
             path = directory / f".stalwart-probe-{os.getpid()}"
-            # A process's first copy and write pay once for what later ones reuse (fresh pages,
-            # the serializer's and checksum's first calls): priced cold, 1 MB cost 3-4x and
-            # 10 MB 1.7-3x a warm one, and that price set the first checkpoint's coverage
-            # period, so the first checkpoint came 1-3 epochs later than the bound its measured
-            # cost gives (benchmarks/record_overhead.py --matrix, 0.1 s epochs). The real cost
-            # replaces the price once the first checkpoint is measured.
-            _probe_write(probe, path)
             started = time.thread_time()
             _probe_write(probe, path)
             rate = (time.thread_time() - started) / probe.numel()

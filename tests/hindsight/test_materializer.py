@@ -206,33 +206,6 @@ def test_the_measured_probe_prices_both_paths(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the probe writes leave nothing behind
 
 
-def test_the_probe_prices_a_warm_copy_and_write_not_the_processs_first(tmp_path, monkeypatch):
-    """A process's first copy and write pay one-time costs no later checkpoint pays; priced
-    cold, the first checkpoint's coverage period came out 1-3 epochs too long."""
-    import stalwart.hindsight.materializer as materializer_module
-
-    calls = []
-
-    def write(obj, path):  # the first write of the process is the slow one
-        calls.append(path)
-        spin_python(0.2 if len(calls) == 1 else 0.002)
-
-    copies = []
-    real_copy = materializer_module.host_copy
-
-    def copy(obj):
-        copies.append(obj)
-        if len(copies) == 1:
-            time.sleep(0.2)
-        return real_copy(obj)
-
-    monkeypatch.setattr(materializer_module, "_probe_write", write)
-    monkeypatch.setattr(materializer_module, "host_copy", copy)
-    price = ForkMaterializer().probe_cost(MB, tmp_path)
-    assert len(calls) == 2 and len(copies) == 2
-    assert 0.002 <= price < 0.05, price
-
-
 def spin_python(seconds: float) -> None:
     end = time.thread_time() + seconds
     while time.thread_time() < end:
