@@ -63,24 +63,32 @@ def test_stateless_beats_checkpointing_when_the_run_ends_right_after_long_outage
 
 
 def test_a_kill_passed_while_the_ps_is_down_is_deferred_and_the_final_backlog_merged(tmp_path):
-    # 2 workers x 120 steps: they never wait, so they produce all 240 gradients during the first
-    # 2 s outage (the backlog ends the run). The second kill's trigger (gradient 150) is passed
-    # while the PS is down: it fires once the PS is back, after the workers have finished.
+    # 2 workers x 50 steps: they never wait, so they produce the remaining 80 gradients during
+    # the first 3 s outage (the backlog ends the run; ~1 s of work on an idle machine, so a
+    # loaded one has room). The second kill's trigger (gradient 80) is passed while the PS is
+    # down: it fires once the PS is back, after the workers have finished.
     config = PSConfig(
-        mode="stateless", workers=2, steps=120, lr=0.1,
-        kills=[KillEvent(40, 2.0), KillEvent(150, 0.5)], run_dir=str(tmp_path / "run"), **SMALL,
+        mode="stateless", workers=2, steps=50, lr=0.1,
+        kills=[KillEvent(20, 3.0), KillEvent(80, 0.5)], run_dir=str(tmp_path / "run"), **SMALL,
     )  # fmt: skip
     result = run_training(config)
     first, second = result.kills
+    last_push = max(t - result.started_at for r in result.reports for _, t, _ in r["pushed"])
+    assert last_push < first["recovered"]  # the premise: the outage's backlog ended the run
     assert not first["deferred"] and second["deferred"]
     assert second["killed"] > first["recovered"]  # never on top of the first outage
-    assert second["produced_at_kill"] == 240  # the workers had finished
-    assert result.produced == result.applied == 240 and result.lost == 0
+    assert second["produced_at_kill"] == 100  # the workers had finished
+    assert result.produced == result.applied == 100 and result.lost == 0
     assert result.duplicates == 0 and result.weights_verified is True
     assert result.summary()["deferred_kills"] == 1
-    # The backlog that ended the run was merged like one in the middle: both trajectories.
-    assert max(b["gradients"] for b in result.backlogs) >= 150
-    assert {b["workers"] for b in result.backlogs} == {2}
+    # The backlog that ended the run was merged like one in the middle: one update of both
+    # workers' trajectories, their mean, holding everything pushed while the PS was down.
+    final = max(result.backlogs, key=lambda b: b["gradients"])
+    assert final["gradients"] >= _during(result, first) >= 40
+    assert final["workers"] == 2 and final["scale"] == 0.5
+    # Any other backlog (a worker that started first and pushed a few before the PS caught up)
+    # is the mean of the trajectories it holds, never the old one-step rule.
+    assert all(b["scale"] == 1 / b["workers"] for b in result.backlogs)
     assert [e["source"] for e in result.recoveries] == ["store"] * 3
 
 
