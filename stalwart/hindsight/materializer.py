@@ -313,6 +313,11 @@ class WriterThread:
         self._pending = 0
         self.cpu_seconds = 0.0
         self.bytes_written = 0
+        self.writes = 0
+        #: CPU seconds and tensor bytes of the writes after the first, which alone paid the
+        #: process's one-time costs (see ``ForkMaterializer._write_cpu``).
+        self.warm_cpu_seconds = 0.0
+        self.warm_bytes = 0
         self._cpu_taken = 0.0
         self.failures: list[str] = []
         self._thread: threading.Thread | None = None
@@ -358,8 +363,13 @@ class WriterThread:
             except BaseException as exc:  # reported at close, like a failed child
                 self.failures.append(f"background writer failed ({exc!r}); not written: {job.path}")
             with self._idle:
-                self.cpu_seconds += time.thread_time() - started
+                used = time.thread_time() - started
+                self.cpu_seconds += used
                 self.bytes_written += nbytes
+                if self.writes:
+                    self.warm_cpu_seconds += used
+                    self.warm_bytes += nbytes
+                self.writes += 1
                 self._pending -= 1
                 self._idle.notify_all()
 
@@ -459,6 +469,7 @@ class ForkMaterializer(Materializer):
         if torch.cuda.is_initialized():  # a CUDA state's copy: device to fresh pinned memory
             probe = probe.cuda()
             torch.cuda.synchronize()
+        host_copy(probe)  # priced warm, as every copy after the first (see _write_cpu)
         start = time.perf_counter()
         host_copy(probe)
         copied = time.perf_counter() - start
@@ -466,16 +477,23 @@ class ForkMaterializer(Materializer):
         return copied * nbytes / probe.numel() + writing
 
     def _write_cpu(self, nbytes: int, directory: Path) -> float:
-        """CPU seconds writing ``nbytes`` takes, at the rate of the writer thread's writes so far
-        (else of a probe write)."""
-        if not self._writer.bytes_written:
-            probe = _probe_buffer(nbytes, 16 << 20)
-            path = directory / f".stalwart-probe-{os.getpid()}"
-            started = time.thread_time()
+        """CPU seconds writing ``nbytes`` takes, at the rate of the writer thread's writes after
+        its first (else of a probe write)."""
+        # A process's first write pays once for what later ones reuse (fresh pages, the
+        # serializer's and checksum's first calls). Priced at the first write's rate (the run's
+        # init.ckpt, which holds no optimizer state yet), a 10 MB state's first checkpoint was
+        # priced at 29 ms against ~9 ms measured once taken, and that price set the coverage
+        # period before it: the first checkpoint came 1-3 epochs past the bound its measured
+        # cost gives (benchmarks/record_overhead.py --matrix, 0.1 s epochs).
+        if self._writer.warm_bytes:
+            return self._writer.warm_cpu_seconds / self._writer.warm_bytes * nbytes
+        probe = _probe_buffer(nbytes, 16 << 20)
+        path = directory / f".stalwart-probe-{os.getpid()}"
+        if not self._writer.writes:  # nothing written in this process yet: warm it up first
             _probe_write(probe, path)
-            rate = (time.thread_time() - started) / probe.numel()
-            return rate * nbytes
-        return self._writer.cpu_seconds / self._writer.bytes_written * nbytes
+        started = time.thread_time()
+        _probe_write(probe, path)
+        return (time.thread_time() - started) / probe.numel() * nbytes
 
     def _fork_cost(self, nbytes: int, directory: Path) -> float:
         """A fork (which grows with the process's mapped memory), the copy-on-write faults it

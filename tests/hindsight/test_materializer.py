@@ -206,6 +206,56 @@ def test_the_measured_probe_prices_both_paths(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the probe writes leave nothing behind
 
 
+def test_the_probe_prices_a_warm_copy_and_write_not_the_processs_first(tmp_path, monkeypatch):
+    """A process's first copy and write pay one-time costs no later checkpoint pays; priced
+    cold, the first checkpoint's coverage period came out 1-3 epochs too long."""
+    import stalwart.hindsight.materializer as materializer_module
+
+    calls = []
+
+    def write(obj, path):  # the first write of the process is the slow one
+        calls.append(path)
+        spin_python(0.2 if len(calls) == 1 else 0.002)
+
+    copies = []
+    real_copy = materializer_module.host_copy
+
+    def copy(obj):
+        copies.append(obj)
+        if len(copies) == 1:
+            time.sleep(0.2)
+        return real_copy(obj)
+
+    monkeypatch.setattr(materializer_module, "_probe_write", write)
+    monkeypatch.setattr(materializer_module, "host_copy", copy)
+    price = ForkMaterializer().probe_cost(MB, tmp_path)
+    assert len(calls) == 2 and len(copies) == 2
+    assert 0.002 <= price < 0.05, price
+
+
+def test_the_write_price_leaves_out_the_processs_first_write(tmp_path, monkeypatch):
+    """The first write (a run's init.ckpt) paid one-time costs: the price is the rate of the
+    writes after it, or a probe write while there are none (no warm-up: the process is warm)."""
+    import stalwart.hindsight.materializer as materializer_module
+
+    materializer = ForkMaterializer()
+    materializer.submit(WriteJob({"w": torch.ones(1 << 16)}, tmp_path / "init.pt"))
+    materializer._writer.drain()
+    assert materializer._writer.writes == 1 and materializer._writer.warm_bytes == 0
+    probes = []
+    monkeypatch.setattr(materializer_module, "_probe_write", lambda obj, path: probes.append(path))
+    materializer._write_cpu(MB, tmp_path)
+    assert len(probes) == 1  # one timed probe write, no warm-up
+    materializer.submit(WriteJob({"w": torch.ones(1 << 16)}, tmp_path / "a.pt"))
+    materializer.close()
+    writer = materializer._writer
+    assert writer.writes == 2 and writer.warm_bytes == (1 << 16) * 4
+    assert writer.warm_cpu_seconds < writer.cpu_seconds
+    price = materializer._write_cpu(MB, tmp_path)
+    assert len(probes) == 1  # priced from the second write alone
+    assert price == pytest.approx(writer.warm_cpu_seconds / writer.warm_bytes * MB)
+
+
 def spin_python(seconds: float) -> None:
     end = time.thread_time() + seconds
     while time.thread_time() < end:
