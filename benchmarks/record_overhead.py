@@ -458,12 +458,15 @@ def one_fit(request: str) -> None:
 
 
 def checkpoint_coverage(decisions: Any, epsilon: float) -> tuple[int, int]:
-    """The longest run of epochs without a checkpoint (from the initial state, epoch -1) and
-    its bound ``ceil(r / eps) + 1``, r = the median cost the policy decided with (measured main
-    thread, deferred write and interference of recent checkpoints) / mean compute."""
+    """The most epochs a replay of one epoch re-executes (from the checkpoint before it; -1 is
+    the initial state) and its bound ``ceil(r / eps) + 1``, r = the median cost the policy
+    decided with (measured main thread, deferred write and interference of recent checkpoints)
+    / mean compute. Epoch ``e`` replays from the last checkpoint before it, so after the last
+    checkpoint ``c`` the run's last epoch ``L`` costs ``L - c``; the record never checkpoints
+    ``L`` itself (no replay starts there)."""
     taken = [-1, *decisions.epoch[decisions.checkpoint == 1].tolist()]
     last = int(decisions.epoch.max())
-    gaps = [b - a for a, b in zip(taken, [*taken[1:], last + 1], strict=True)]
+    gaps = [b - a for a, b in zip(taken, [*taken[1:], last], strict=True)]
     costs = decisions.materialize_cost.dropna()
     if costs.empty:
         return max(gaps), 0

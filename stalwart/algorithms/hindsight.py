@@ -344,6 +344,7 @@ class Hindsight(Algorithm):
                     + tensor_bytes([optimizer.state_dict() for optimizer in state.optimizers])
                 ),
                 veto=lambda policy_says: self.should_checkpoint(state, policy_says),
+                final=_ends_after_this_epoch(state),
             )
             recorder.materialize_due(lambda: composer_checkpoint(state), step)
         elif event == Event.FIT_END:
@@ -588,3 +589,9 @@ def replay(
     )
     log.info("%s", outcome if dry_run else outcome.summary())
     return outcome
+
+
+def _ends_after_this_epoch(state: State) -> bool:
+    """Whether training stops at the epoch end Composer is at (``max_duration`` reached)."""
+    elapsed = state.get_elapsed_duration()
+    return elapsed is not None and elapsed.value >= 1

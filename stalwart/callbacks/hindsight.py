@@ -197,6 +197,7 @@ class HindsightCallback(Callback):
                 + tensor_bytes([optimizer.state_dict() for optimizer in trainer.optimizers])
             ),
             veto=lambda policy_says: self.should_checkpoint(trainer, policy_says),
+            final=ends_after_this_epoch(trainer),
         )
 
     def should_checkpoint(self, trainer: Trainer, policy_says: bool) -> bool:
@@ -254,3 +255,12 @@ class HindsightCallback(Callback):
         summary = self.recorder.finish(status)
         if summary is not None:
             rank_zero_info(summary)
+
+
+def ends_after_this_epoch(trainer: Trainer) -> bool:
+    """Whether the fit stops after the epoch whose ``on_train_epoch_end`` is running: its
+    ``max_epochs`` or ``max_steps`` is reached (an early stop is not foreseen)."""
+    max_epochs = trainer.max_epochs
+    if max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs:
+        return True
+    return trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps

@@ -202,3 +202,60 @@ def test_a_few_dear_recent_costs_do_not_stretch_coverage_past_the_runs_own_media
     assert run_wide == 2
     assert max(gaps_after(taken, 0)) <= run_wide
     assert policy.overhead <= epsilon
+
+
+def test_the_runs_last_epoch_is_not_checkpointed_unless_the_adapter_forces_it(
+    tmp_path, monkeypatch
+):
+    """No replay starts from the state after the last epoch (replaying it starts from the
+    checkpoint before), and the fit would wait for its write: the record does not take it, in
+    Lightning (``max_epochs`` or ``max_steps``) and in Composer; ``should_checkpoint`` still can."""
+    from dataclasses import replace
+
+    import lightning as L
+    from composer_digits import make_trainer
+    from digits import DigitsClassifier, DigitsDataModule
+
+    from stalwart import HindsightCallback
+    from stalwart.algorithms import Hindsight
+    from tests.helpers import QUIET
+
+    # The policy wants a checkpoint at every epoch end; the adapters' veto hears what the
+    # record then asks for: (epoch, policy_says).
+    decide = JointInvariantPolicy.decide
+    monkeypatch.setattr(
+        JointInvariantPolicy, "decide", lambda *a, **kw: replace(decide(*a, **kw), checkpoint=True)
+    )
+    asked = []
+
+    class Lightning(HindsightCallback):
+        force_last = False
+
+        def should_checkpoint(self, trainer, policy_says: bool) -> bool:
+            asked.append((trainer.current_epoch, policy_says))
+            return policy_says or (self.force_last and trainer.current_epoch == 2)
+
+    class Composer(Hindsight):
+        def should_checkpoint(self, state, policy_says: bool) -> bool:
+            asked.append((int(state.timestamp.epoch) - 1, policy_says))
+            return policy_says
+
+    def lightning_fit(root, **limits):
+        trainer = L.Trainer(callbacks=[Lightning(root, materializer="inline")], **limits, **QUIET)
+        trainer.fit(DigitsClassifier(width=8), DigitsDataModule(batch_size=500))
+
+    def checkpointed(root) -> list[int]:
+        return [c.epoch for c in stalwart.hindsight.open(root).run().checkpoints()]
+
+    lightning_fit(tmp_path / "epochs", max_epochs=3)
+    batches = 3  # the digits training set (1437) in batches of 500
+    lightning_fit(tmp_path / "steps", max_epochs=-1, max_steps=3 * batches)
+    composer = Composer(tmp_path / "composer", materializer="inline")
+    make_trainer(epochs=3, algorithms=[composer]).fit()
+    # Each fit: the record wants epoch 0 and is told not to want epoch 2 (the last).
+    assert [asked[i] for i in (0, 2, 3, 5, 6, 8)] == [(0, True), (2, False)] * 3
+    for side in ("epochs", "steps", "composer"):
+        assert 2 not in checkpointed(tmp_path / side) and 0 in checkpointed(tmp_path / side)
+    Lightning.force_last = True
+    lightning_fit(tmp_path / "forced", max_epochs=3)
+    assert 2 in checkpointed(tmp_path / "forced")
