@@ -206,10 +206,9 @@ class Recorder:
             state_bytes: tensor bytes of the state a checkpoint holds (asked only before the
                 first checkpoint, to probe what one costs).
             veto: ``veto(policy_says) -> bool``, the adapter's override of the decision.
-            final: the run ends after this epoch. The policy does not checkpoint it (the veto
-                still may): a replay of the last epoch starts from the checkpoint before it, so
-                its own would serve no replay, and the fit would wait for its write (a 100 MB
-                state's: ~2.5% of a 10 s fit).
+            final: the run ends after this epoch: not checkpointed unless the veto forces it (a
+                replay of it starts from the checkpoint before, and the fit would wait for the
+                write: a 100 MB state's, ~2.5% of a 10 s fit).
 
         Returns the decision (None when the epoch was already decided or nothing is recorded).
         A positive decision is *due*: the adapter calls :meth:`materialize_due` once the epoch
@@ -220,7 +219,9 @@ class Recorder:
         ended = time.perf_counter()
         # One commit for everything the epoch end writes (epoch work, logged values, decision).
         with self.store.batch():
-            decision = self._account_epoch(epoch, ended, state_bytes, veto, final)
+            decision = self._account_epoch(
+                epoch, ended, state_bytes, lambda says: veto(says and not final)
+            )
         # This epoch end's own work (those writes, the decision, the first cost probe) is the
         # record's, and the next epoch's clock starts after it.
         self._clock = time.perf_counter()
@@ -228,12 +229,7 @@ class Recorder:
         return decision
 
     def _account_epoch(
-        self,
-        epoch: int,
-        ended: float,
-        state_bytes: Callable[[], int],
-        veto: Callable[[bool], bool],
-        final: bool,
+        self, epoch: int, ended: float, state_bytes: Callable[[], int], veto: Callable[[bool], bool]
     ) -> Decision:
         """Record the epoch's work and decide.
 
@@ -269,8 +265,7 @@ class Recorder:
         # Until one clean epoch (no writer alive) has been seen, a checkpoint's true cost cannot
         # be measured: leave the epoch after the first checkpoint free of a new writer.
         measurable = self._interference.baseline is not None or self.policy.checkpoints == 0
-        policy_says = decision.checkpoint and measurable and not final
-        decision = replace(decision, checkpoint=veto(policy_says))
+        decision = replace(decision, checkpoint=veto(decision.checkpoint and measurable))
         self.decided_through = epoch
         if decision.checkpoint:
             self.policy.checkpointed(estimate)
