@@ -197,7 +197,7 @@ class HindsightCallback(Callback):
                 + tensor_bytes([optimizer.state_dict() for optimizer in trainer.optimizers])
             ),
             veto=lambda policy_says: self.should_checkpoint(trainer, policy_says),
-            final=ends_after_this_epoch(trainer),
+            final=_ends_after_this_epoch(trainer),
         )
 
     def should_checkpoint(self, trainer: Trainer, policy_says: bool) -> bool:
@@ -257,7 +257,7 @@ class HindsightCallback(Callback):
             rank_zero_info(summary)
 
 
-def ends_after_this_epoch(trainer: Trainer) -> bool:
+def _ends_after_this_epoch(trainer: Trainer) -> bool:
     """Whether the fit stops after the epoch whose ``on_train_epoch_end`` is running: its
     ``max_epochs`` or ``max_steps`` is reached (an early stop is not foreseen)."""
     max_epochs = trainer.max_epochs

@@ -312,7 +312,6 @@ class WriterThread:
         self._idle = threading.Condition()
         self._pending = 0
         self.cpu_seconds = 0.0
-        self.bytes_written = 0
         self.writes = 0
         #: CPU seconds and tensor bytes of the writes after the first, which alone paid the
         #: process's one-time costs (see ``ForkMaterializer._write_cpu``).
@@ -365,7 +364,6 @@ class WriterThread:
             with self._idle:
                 used = time.thread_time() - started
                 self.cpu_seconds += used
-                self.bytes_written += nbytes
                 if self.writes:
                     self.warm_cpu_seconds += used
                     self.warm_bytes += nbytes
@@ -489,7 +487,7 @@ class ForkMaterializer(Materializer):
             return self._writer.warm_cpu_seconds / self._writer.warm_bytes * nbytes
         probe = _probe_buffer(nbytes, 16 << 20)
         path = directory / f".stalwart-probe-{os.getpid()}"
-        if not self._writer.writes:  # nothing written in this process yet: warm it up first
+        if not self._writer.writes:  # this writer has written nothing yet: warm up first
             _probe_write(probe, path)
         started = time.thread_time()
         _probe_write(probe, path)
