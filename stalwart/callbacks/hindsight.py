@@ -17,6 +17,7 @@ from stalwart.callbacks.lightning_internals import (
     batches_completed,
     dispatched_per_batch,
     dump_checkpoint,
+    fit_ends_after_this_epoch,
     hook_dispatch_seconds,
     hook_epoch_boundary,
     is_last_batch,
@@ -197,11 +198,18 @@ class HindsightCallback(Callback):
                 + tensor_bytes([optimizer.state_dict() for optimizer in trainer.optimizers])
             ),
             veto=lambda policy_says: self.should_checkpoint(trainer, policy_says),
-            final=_ends_after_this_epoch(trainer),
+            final=fit_ends_after_this_epoch(trainer),
         )
 
     def should_checkpoint(self, trainer: Trainer, policy_says: bool) -> bool:
-        """Override to force or veto checkpoints; by default the policy decides."""
+        """Override to force or veto checkpoints; by default the policy decides.
+
+        The fit's last epoch is not checkpointed (no replay starts after it, and the fit would
+        wait for the write): where the fit is known to stop there (``max_epochs``, ``max_steps``,
+        a stop already requested), ``policy_says`` is False; where a later epoch-end hook
+        requests the stop (``EarlyStopping`` checks after this callback), the checkpoint this
+        returned True for is dropped, unless it returned True against ``policy_says``.
+        """
         return policy_says
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -238,7 +246,9 @@ class HindsightCallback(Callback):
 
     def _materialize_due(self, trainer: Trainer) -> None:
         self.recorder.materialize_due(
-            lambda: self._snapshot(trainer, self._inner_loop_end), trainer.global_step
+            lambda: self._snapshot(trainer, self._inner_loop_end),
+            trainer.global_step,
+            final=fit_ends_after_this_epoch(trainer),
         )
 
     def _snapshot(
@@ -255,12 +265,3 @@ class HindsightCallback(Callback):
         summary = self.recorder.finish(status)
         if summary is not None:
             rank_zero_info(summary)
-
-
-def _ends_after_this_epoch(trainer: Trainer) -> bool:
-    """Whether the fit stops after the epoch whose ``on_train_epoch_end`` is running: its
-    ``max_epochs`` or ``max_steps`` is reached (an early stop is not foreseen)."""
-    max_epochs = trainer.max_epochs
-    if max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs:
-        return True
-    return trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps

@@ -6,7 +6,8 @@ equivalent, and each function says what it needs and why:
 - the complete checkpoint as a dict in memory (the hindsight materializer forks and writes it in
   the background; ``trainer.save_checkpoint`` only writes a file in the foreground);
 - the one exact resume point after an epoch (after the module's own epoch-end hook and the
-  epoch-interval LR step, where no callback hook runs);
+  epoch-interval LR step, where no callback hook runs), and whether the fit stops there (the fit
+  loop's own test, without the message it logs);
 - the hook a ``self.log`` call came from, and every raw ``self.log`` call (loggers only see
   reduced values);
 - a replayed epoch whose training batches are restored instead of run, and the loop counters it
@@ -31,6 +32,7 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loops.utilities import _is_max_limit_reached
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -145,6 +147,20 @@ def hook_epoch_boundary(
 
 def unhook_epoch_boundary(trainer: Trainer) -> None:
     vars(trainer.fit_loop).pop("on_advance_end", None)
+
+
+def fit_ends_after_this_epoch(trainer: Trainer) -> bool:
+    """Whether the fit loop stops after the epoch that is ending: ``max_steps`` or ``max_epochs``
+    reached, or ``trainer.should_stop`` set (``EarlyStopping``, ``Timer``, the user) with
+    ``min_epochs`` / ``min_steps`` met. The fit loop's ``done`` without the line it logs; right
+    from ``on_train_epoch_end`` (the epoch is counted as processed before it) to the epoch
+    boundary, and a stop requested by a later epoch-end hook is known only at the boundary."""
+    loop = trainer.fit_loop
+    return (
+        _is_max_limit_reached(loop.epoch_loop.global_step, loop.max_steps)
+        or _is_max_limit_reached(loop.epoch_progress.current.processed, loop.max_epochs)
+        or (trainer.should_stop and loop._can_stop_early)
+    )
 
 
 def is_last_batch(trainer: Trainer) -> bool:

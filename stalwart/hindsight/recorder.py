@@ -38,6 +38,8 @@ from stalwart.hindsight.store import (
     prepare_directory,
 )
 
+#: ``veto(policy_says) -> bool``: an adapter's override of a checkpoint decision.
+Veto = Callable[[bool], bool]
 #: Logged values are committed to the store at least this often (and at every epoch end).
 LOG_FLUSH_SECONDS = 1.0
 
@@ -196,7 +198,7 @@ class Recorder:
         self,
         epoch: int,
         state_bytes: Callable[[], int],
-        veto: Callable[[bool], bool] = bool,
+        veto: Veto = bool,
         final: bool = False,
     ) -> Decision | None:
         """Account a finished epoch and decide whether to checkpoint it.
@@ -212,16 +214,14 @@ class Recorder:
 
         Returns the decision (None when the epoch was already decided or nothing is recorded).
         A positive decision is *due*: the adapter calls :meth:`materialize_due` once the epoch
-        has fully ended.
+        has fully ended (which still cancels it if the run turns out to end there).
         """
         if not self.recording or epoch <= self.decided_through:
             return None
         ended = time.perf_counter()
         # One commit for everything the epoch end writes (epoch work, logged values, decision).
         with self.store.batch():
-            decision = self._account_epoch(
-                epoch, ended, state_bytes, lambda says: veto(says and not final)
-            )
+            decision = self._account_epoch(epoch, ended, state_bytes, veto, final)
         # This epoch end's own work (those writes, the decision, the first cost probe) is the
         # record's, and the next epoch's clock starts after it.
         self._clock = time.perf_counter()
@@ -229,7 +229,7 @@ class Recorder:
         return decision
 
     def _account_epoch(
-        self, epoch: int, ended: float, state_bytes: Callable[[], int], veto: Callable[[bool], bool]
+        self, epoch: int, ended: float, state_bytes: Callable[[], int], veto: Veto, final: bool
     ) -> Decision:
         """Record the epoch's work and decide.
 
@@ -265,11 +265,11 @@ class Recorder:
         # Until one clean epoch (no writer alive) has been seen, a checkpoint's true cost cannot
         # be measured: leave the epoch after the first checkpoint free of a new writer.
         measurable = self._interference.baseline is not None or self.policy.checkpoints == 0
-        decision = replace(decision, checkpoint=veto(decision.checkpoint and measurable))
+        says = decision.checkpoint and measurable and not final
+        decision = replace(decision, checkpoint=veto(says))
         self.decided_through = epoch
-        if decision.checkpoint:
-            self.policy.checkpointed(estimate)
-            self._due = (decision, background)
+        if decision.checkpoint:  # accounted once written (materialize_due): a stop may cancel it
+            self._due = (decision, background, not says)  # (not says: the adapter forced it)
         else:
             self.store.add_decision(self.run_id, decision.as_dict(), None, background)
         return decision
@@ -278,15 +278,22 @@ class Recorder:
         """Forget a due checkpoint (the epoch did not end cleanly)."""
         self._due = None
 
-    def materialize_due(self, snapshot: Callable[[], Any], step: int) -> None:
-        """Write the checkpoint :meth:`epoch_ended` decided on, if any."""
+    def materialize_due(self, snapshot: Callable[[], Any], step: int, final: bool = False) -> None:
+        """Write the checkpoint :meth:`epoch_ended` decided on, if any; ``final``: the run turned
+        out to end with this epoch after the decision (e.g. an early stop requested by a later
+        epoch-end hook), which cancels it as :meth:`epoch_ended`'s ``final`` would have, unless
+        the adapter forced it."""
         due, self._due = self._due, None
         if due is None:
             return
-        decision, interference = due
+        decision, interference, forced = due
+        if final and not forced:
+            cancelled = replace(decision, checkpoint=False).as_dict()
+            self.store.add_decision(self.run_id, cancelled, None, interference)
+            return
         measured = self.write(snapshot, decision.epoch, f"epoch={decision.epoch:04d}.ckpt", step)
         written = time.perf_counter()
-        self.policy.revise_last_cost(decision.materialize_cost, measured)
+        self.policy.checkpointed(measured)
         self.store.add_decision(self.run_id, decision.as_dict(), measured, interference)
         indexed = time.perf_counter() - written
         self.policy.charge_fixed(indexed)
@@ -369,9 +376,8 @@ class Recorder:
         if self.policy.checkpoints:
             return self.policy.typical_cost
         if self._cost_estimate is None:
-            self._cost_estimate = self.materializer.probe_cost(
-                state_bytes(), self.store.run_dir(self.run_id)
-            )
+            run_dir = self.store.run_dir(self.run_id)
+            self._cost_estimate = self.materializer.probe_cost(state_bytes(), run_dir)
             self.policy.prior(self._cost_estimate)
         return self._cost_estimate
 

@@ -76,6 +76,8 @@ def test_private_attributes_the_internals_use_exist(fitted):
     loop = trainer.fit_loop
     if _params(loop.on_advance_end):
         missing.append("_FitLoop.on_advance_end() taking no argument")
+    if not isinstance(getattr(loop, "_can_stop_early", None), bool):
+        missing.append("_FitLoop._can_stop_early (a bool property)")
     epoch_loop = loop.epoch_loop
     if _params(epoch_loop.run) != ["data_fetcher"]:
         missing.append("_TrainingEpochLoop.run(data_fetcher)")
@@ -113,6 +115,40 @@ def test_an_epoch_checkpoint_holds_the_loop_state_restore_reads(fitted):
     for key in internals.LOOP_PROGRESS_KEYS:
         assert key in fit_loop, key
     assert "_batches_that_stepped" in fit_loop["epoch_loop.state_dict"]
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        {"max_epochs": 3},
+        {"max_epochs": -1, "max_steps": 7},  # mid-epoch: 3 batches an epoch
+        {"max_epochs": 5, "early_stop": True},
+        {"max_epochs": 5, "early_stop": True, "min_epochs": 3},
+    ],
+    ids=["max_epochs", "max_steps", "early_stop", "early_stop_min_epochs"],
+)
+def test_the_stop_test_agrees_with_the_fit_loops_own_at_every_epoch_boundary(limits):
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    seen: list[tuple[bool, bool]] = []
+
+    class AtBoundary(Callback):
+        def setup(self, trainer, pl_module, stage):
+            internals.hook_epoch_boundary(
+                trainer,
+                on_end=lambda: seen.append(
+                    (internals.fit_ends_after_this_epoch(trainer), trainer.fit_loop.done)
+                ),
+                on_error=lambda: None,
+            )
+
+    callbacks: list[Callback] = [AtBoundary()]
+    if limits.pop("early_stop", False):  # stops when asked after epoch 1 (nothing improves 1e9)
+        callbacks.append(EarlyStopping("val_loss", patience=1, min_delta=1e9))
+    trainer = L.Trainer(callbacks=callbacks, **limits, **QUIET)
+    trainer.fit(DigitsClassifier(width=8), DigitsDataModule(batch_size=500))
+    assert [ours for ours, _ in seen] == [loops for _, loops in seen]
+    assert seen[-1][0] and not any(ours for ours, _ in seen[:-1])
 
 
 def test_the_epoch_boundary_comes_after_the_module_hook_and_the_plateau_lr_step():

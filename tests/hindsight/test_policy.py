@@ -259,3 +259,84 @@ def test_the_runs_last_epoch_is_not_checkpointed_unless_the_adapter_forces_it(
     Lightning.force_last = True
     lightning_fit(tmp_path / "forced", max_epochs=3)
     assert 2 in checkpointed(tmp_path / "forced")
+
+
+def test_an_early_stop_drops_the_last_epochs_checkpoint_even_when_requested_after_the_decision(
+    tmp_path, monkeypatch
+):
+    """``EarlyStopping`` requests its stop in a later ``on_train_epoch_end`` than the record's
+    decision: the checkpoint decided for that epoch is dropped at the epoch boundary (a stop
+    requested earlier but held back by ``min_epochs`` is known at the decision and the veto hears
+    False); a checkpoint ``should_checkpoint`` forced against the policy is still written.
+    Composer's ``EarlyStopper`` stops before the record's event, so there it is known at once."""
+    from dataclasses import replace
+
+    import lightning as L
+    from composer.callbacks import EarlyStopper
+    from composer_digits import make_trainer
+    from digits import DigitsClassifier, DigitsDataModule
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    from stalwart import HindsightCallback
+    from stalwart.algorithms import Hindsight
+    from tests.helpers import QUIET
+
+    wanted = {"epochs": range(100)}  # the epochs the patched policy asks to checkpoint
+    decide = JointInvariantPolicy.decide
+
+    def patched(*args, **kwargs):
+        decision = decide(*args, **kwargs)
+        return replace(decision, checkpoint=decision.epoch in wanted["epochs"])
+
+    monkeypatch.setattr(JointInvariantPolicy, "decide", patched)
+    asked = []
+
+    class Lightning(HindsightCallback):
+        force = None
+
+        def should_checkpoint(self, trainer, policy_says: bool) -> bool:
+            asked.append((trainer.current_epoch, policy_says))
+            return policy_says or trainer.current_epoch == self.force
+
+    def fit(name, stopper, **limits) -> tuple[list[int], list[tuple[int, int]]]:
+        asked.clear()
+        callbacks = [Lightning(tmp_path / name, materializer="inline"), stopper]
+        trainer = L.Trainer(callbacks=callbacks, max_epochs=5, **limits, **QUIET)
+        trainer.fit(DigitsClassifier(width=8), DigitsDataModule(batch_size=500))
+        assert trainer.current_epoch == 2  # stopped after epoch 1
+        run = stalwart.hindsight.open(tmp_path / name).run()
+        decisions = run.decisions()
+        rows = list(zip(decisions.epoch.tolist(), decisions.checkpoint.tolist(), strict=True))
+        return [c.epoch for c in run.checkpoints() if c.epoch >= 0], rows
+
+    def no_improvement_after_epoch_0():  # min_delta beyond any change: epoch 1 stops the fit
+        return EarlyStopping(monitor="val_loss", patience=1, min_delta=1e9)
+
+    # The stop is requested after the record's hook: the veto heard True, nothing is written.
+    taken, rows = fit("late", no_improvement_after_epoch_0())
+    assert asked == [(0, True), (1, True)]
+    assert taken == [0] and rows == [(0, 1), (1, 0)]
+    # Requested at epoch 0, held back by min_epochs=2: known at epoch 1's decision.
+    taken, rows = fit("held", EarlyStopping("val_loss", stopping_threshold=1e9), min_epochs=2)
+    assert asked == [(0, True), (1, False)]
+    assert taken == [0] and rows == [(0, 1), (1, 0)]
+    # Forced against the policy (which wants only epoch 0): written although the fit stops.
+    wanted["epochs"] = [0]
+    Lightning.force = 1
+    taken, rows = fit("forced", no_improvement_after_epoch_0())
+    assert asked == [(0, True), (1, False)]
+    assert taken == [0, 1] and rows == [(0, 1), (1, 1)]
+
+    class Composer(Hindsight):
+        def should_checkpoint(self, state, policy_says: bool) -> bool:
+            asked.append((int(state.timestamp.epoch) - 1, policy_says))
+            return policy_says
+
+    wanted["epochs"] = range(100)
+    asked.clear()
+    stopper = EarlyStopper("MulticlassAccuracy", "eval", min_delta=1e9, patience=0)
+    algorithm = Composer(tmp_path / "composer", materializer="inline")
+    make_trainer(epochs=5, algorithms=[algorithm], callbacks=[stopper]).fit()
+    assert asked == [(0, True), (1, False)]
+    run = stalwart.hindsight.open(tmp_path / "composer").run()
+    assert [c.epoch for c in run.checkpoints() if c.epoch >= 0] == [0]
