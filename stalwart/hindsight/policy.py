@@ -221,6 +221,12 @@ class JointInvariantPolicy:
         self.total_materialize += max(cost, 0.0)
         self.total_fixed += max(cost, 0.0)
 
+    def revise_last_cost(self, estimated: float, measured: float) -> None:
+        """Replace the estimate a checkpoint was accounted with by its measured cost."""
+        self.total_materialize += max(measured, 0.0) - max(estimated, 0.0)
+        if self.recent_costs:
+            self.recent_costs[-1] = max(measured, 0.0)
+
     def state_dict(self) -> dict:
         return {
             "epochs": self.epochs,

@@ -257,18 +257,16 @@ class Recorder:
         self.policy.charge(background)
         bookkeeping, self._bookkeeping = self._bookkeeping, 0.0
         self.policy.charge_fixed(bookkeeping)
-        compute_time = epoch_seconds - max(interference, 0.0) - bookkeeping
+        compute = epoch_seconds - max(interference, 0.0) - bookkeeping
         estimate = self._estimate_cost(state_bytes)
-        decision = self.policy.decide(
-            compute_time=compute_time, materialize_cost=estimate, epoch=epoch
-        )
+        decision = self.policy.decide(compute_time=compute, materialize_cost=estimate, epoch=epoch)
         # Until one clean epoch (no writer alive) has been seen, a checkpoint's true cost cannot
         # be measured: leave the epoch after the first checkpoint free of a new writer.
         measurable = self._interference.baseline is not None or self.policy.checkpoints == 0
         says = decision.checkpoint and measurable and not final
         decision = replace(decision, checkpoint=veto(says))
         self.decided_through = epoch
-        if decision.checkpoint:  # accounted once written (materialize_due): a stop may cancel it
+        if decision.checkpoint:  # accounted when written (materialize_due): a stop may cancel it
             self._due = (decision, background, not says)  # (not says: the adapter forced it)
         else:
             self.store.add_decision(self.run_id, decision.as_dict(), None, background)
@@ -291,9 +289,11 @@ class Recorder:
             cancelled = replace(decision, checkpoint=False).as_dict()
             self.store.add_decision(self.run_id, cancelled, None, interference)
             return
+        # Accounted before the snapshot, which holds the policy's state for a resume from it.
+        self.policy.checkpointed(decision.materialize_cost)
         measured = self.write(snapshot, decision.epoch, f"epoch={decision.epoch:04d}.ckpt", step)
         written = time.perf_counter()
-        self.policy.checkpointed(measured)
+        self.policy.revise_last_cost(decision.materialize_cost, measured)
         self.store.add_decision(self.run_id, decision.as_dict(), measured, interference)
         indexed = time.perf_counter() - written
         self.policy.charge_fixed(indexed)

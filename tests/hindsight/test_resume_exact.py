@@ -90,5 +90,10 @@ def test_checkpoint_holds_the_complete_training_state(recorded):
         assert key in state, key
     assert {"python", "numpy", "torch", "cuda"} <= set(state["stalwart_rng"])
     assert state["lr_schedulers"][0]["last_epoch"] == 4  # stepped after each of epochs 0..3
+    # The record's own state counts this checkpoint, as the uninterrupted record did after it: a
+    # resume continues the policy from there (epochs 0..3 checkpointed, init.ckpt apart).
+    (record,) = [s for s in state["callbacks"].values() if "policy" in s]
+    assert record["decided_through"] == 3
+    assert record["policy"]["checkpoints"] == 4 and record["policy"]["last_checkpoint_epochs"] == 4
     # Plain torch.load with Lightning's default weights_only=True reads it.
     torch.load(stalwart.hindsight.open(root).run().checkpoint(3).path, weights_only=True)
