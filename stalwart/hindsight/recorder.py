@@ -266,7 +266,7 @@ class Recorder:
         says = decision.checkpoint and measurable and not final
         decision = replace(decision, checkpoint=veto(says))
         self.decided_through = epoch
-        if decision.checkpoint:  # accounted when written (materialize_due): a stop may cancel it
+        if decision.checkpoint:  # accounted in materialize_due, where a stop may still cancel it
             self._due = (decision, background, not says)  # (not says: the adapter forced it)
         else:
             self.store.add_decision(self.run_id, decision.as_dict(), None, background)
