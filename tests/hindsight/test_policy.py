@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -204,139 +205,121 @@ def test_a_few_dear_recent_costs_do_not_stretch_coverage_past_the_runs_own_media
     assert policy.overhead <= epsilon
 
 
-def test_the_runs_last_epoch_is_not_checkpointed_unless_the_adapter_forces_it(
-    tmp_path, monkeypatch
-):
+@pytest.fixture
+def asking(monkeypatch) -> SimpleNamespace:
+    """The record's adapters with a policy that wants every epoch in ``wanted`` (all by default)
+    and a veto that notes what it hears, ``asked``: ``(epoch, policy_says)``; the Lightning one
+    forces epoch ``force``."""
+    from dataclasses import replace
+
+    from stalwart import HindsightCallback
+    from stalwart.algorithms import Hindsight
+
+    spy = SimpleNamespace(wanted=range(100), asked=[], force=None)
+    decide = JointInvariantPolicy.decide
+
+    def patched(*args, **kwargs):
+        decision = decide(*args, **kwargs)
+        return replace(decision, checkpoint=decision.epoch in spy.wanted)
+
+    monkeypatch.setattr(JointInvariantPolicy, "decide", patched)
+
+    class Lightning(HindsightCallback):
+        def should_checkpoint(self, trainer, policy_says: bool) -> bool:
+            spy.asked.append((trainer.current_epoch, policy_says))
+            return policy_says or trainer.current_epoch == spy.force
+
+    class Composer(Hindsight):
+        def should_checkpoint(self, state, policy_says: bool) -> bool:
+            spy.asked.append((int(state.timestamp.epoch) - 1, policy_says))
+            return policy_says
+
+    spy.Lightning, spy.Composer = Lightning, Composer
+    return spy
+
+
+def _checkpointed(root) -> list[int]:
+    """The epochs a record checkpointed (``init.ckpt`` apart)."""
+    return [c.epoch for c in stalwart.hindsight.open(root).run().checkpoints() if c.epoch >= 0]
+
+
+def test_the_runs_last_epoch_is_not_checkpointed_unless_the_adapter_forces_it(tmp_path, asking):
     """No replay starts from the state after the last epoch (replaying it starts from the
     checkpoint before), and the fit would wait for its write: the record does not take it, in
     Lightning (``max_epochs`` or ``max_steps``) and in Composer; ``should_checkpoint`` still can."""
-    from dataclasses import replace
-
     import lightning as L
     from composer_digits import make_trainer
     from digits import DigitsClassifier, DigitsDataModule
 
-    from stalwart import HindsightCallback
-    from stalwart.algorithms import Hindsight
     from tests.helpers import QUIET
 
-    # The policy wants a checkpoint at every epoch end; the adapters' veto hears what the
-    # record then asks for: (epoch, policy_says).
-    decide = JointInvariantPolicy.decide
-    monkeypatch.setattr(
-        JointInvariantPolicy, "decide", lambda *a, **kw: replace(decide(*a, **kw), checkpoint=True)
-    )
-    asked = []
-
-    class Lightning(HindsightCallback):
-        force_last = False
-
-        def should_checkpoint(self, trainer, policy_says: bool) -> bool:
-            asked.append((trainer.current_epoch, policy_says))
-            return policy_says or (self.force_last and trainer.current_epoch == 2)
-
-    class Composer(Hindsight):
-        def should_checkpoint(self, state, policy_says: bool) -> bool:
-            asked.append((int(state.timestamp.epoch) - 1, policy_says))
-            return policy_says
-
     def lightning_fit(root, **limits):
-        trainer = L.Trainer(callbacks=[Lightning(root, materializer="inline")], **limits, **QUIET)
+        callback = asking.Lightning(root, materializer="inline")
+        trainer = L.Trainer(callbacks=[callback], **limits, **QUIET)
         trainer.fit(DigitsClassifier(width=8), DigitsDataModule(batch_size=500))
-
-    def checkpointed(root) -> list[int]:
-        return [c.epoch for c in stalwart.hindsight.open(root).run().checkpoints()]
 
     lightning_fit(tmp_path / "epochs", max_epochs=3)
     batches = 3  # the digits training set (1437) in batches of 500
     lightning_fit(tmp_path / "steps", max_epochs=-1, max_steps=3 * batches)
-    composer = Composer(tmp_path / "composer", materializer="inline")
+    composer = asking.Composer(tmp_path / "composer", materializer="inline")
     make_trainer(epochs=3, algorithms=[composer]).fit()
     # Each fit: the record wants epoch 0 and is told not to want epoch 2 (the last).
+    asked = asking.asked
     assert [asked[i] for i in (0, 2, 3, 5, 6, 8)] == [(0, True), (2, False)] * 3
     for side in ("epochs", "steps", "composer"):
-        assert 2 not in checkpointed(tmp_path / side) and 0 in checkpointed(tmp_path / side)
-    Lightning.force_last = True
+        assert 2 not in _checkpointed(tmp_path / side) and 0 in _checkpointed(tmp_path / side)
+    asking.force = 2
     lightning_fit(tmp_path / "forced", max_epochs=3)
-    assert 2 in checkpointed(tmp_path / "forced")
+    assert 2 in _checkpointed(tmp_path / "forced")
 
 
 def test_an_early_stop_drops_the_last_epochs_checkpoint_even_when_requested_after_the_decision(
-    tmp_path, monkeypatch
+    tmp_path, asking
 ):
     """``EarlyStopping`` requests its stop in a later ``on_train_epoch_end`` than the record's
     decision: the checkpoint decided for that epoch is dropped at the epoch boundary (a stop
     requested earlier but held back by ``min_epochs`` is known at the decision and the veto hears
     False); a checkpoint ``should_checkpoint`` forced against the policy is still written.
     Composer's ``EarlyStopper`` stops before the record's event, so there it is known at once."""
-    from dataclasses import replace
-
     import lightning as L
     from composer.callbacks import EarlyStopper
     from composer_digits import make_trainer
     from digits import DigitsClassifier, DigitsDataModule
     from lightning.pytorch.callbacks import EarlyStopping
 
-    from stalwart import HindsightCallback
-    from stalwart.algorithms import Hindsight
     from tests.helpers import QUIET
 
-    wanted = {"epochs": range(100)}  # the epochs the patched policy asks to checkpoint
-    decide = JointInvariantPolicy.decide
-
-    def patched(*args, **kwargs):
-        decision = decide(*args, **kwargs)
-        return replace(decision, checkpoint=decision.epoch in wanted["epochs"])
-
-    monkeypatch.setattr(JointInvariantPolicy, "decide", patched)
-    asked = []
-
-    class Lightning(HindsightCallback):
-        force = None
-
-        def should_checkpoint(self, trainer, policy_says: bool) -> bool:
-            asked.append((trainer.current_epoch, policy_says))
-            return policy_says or trainer.current_epoch == self.force
-
     def fit(name, stopper, **limits) -> tuple[list[int], list[tuple[int, int]]]:
-        asked.clear()
-        callbacks = [Lightning(tmp_path / name, materializer="inline"), stopper]
+        asking.asked.clear()
+        callbacks = [asking.Lightning(tmp_path / name, materializer="inline"), stopper]
         trainer = L.Trainer(callbacks=callbacks, max_epochs=5, **limits, **QUIET)
         trainer.fit(DigitsClassifier(width=8), DigitsDataModule(batch_size=500))
         assert trainer.current_epoch == 2  # stopped after epoch 1
-        run = stalwart.hindsight.open(tmp_path / name).run()
-        decisions = run.decisions()
+        decisions = stalwart.hindsight.open(tmp_path / name).run().decisions()
         rows = list(zip(decisions.epoch.tolist(), decisions.checkpoint.tolist(), strict=True))
-        return [c.epoch for c in run.checkpoints() if c.epoch >= 0], rows
+        return _checkpointed(tmp_path / name), rows
 
     def no_improvement_after_epoch_0():  # min_delta beyond any change: epoch 1 stops the fit
         return EarlyStopping(monitor="val_loss", patience=1, min_delta=1e9)
 
     # The stop is requested after the record's hook: the veto heard True, nothing is written.
     taken, rows = fit("late", no_improvement_after_epoch_0())
-    assert asked == [(0, True), (1, True)]
+    assert asking.asked == [(0, True), (1, True)]
     assert taken == [0] and rows == [(0, 1), (1, 0)]
     # Requested at epoch 0, held back by min_epochs=2: known at epoch 1's decision.
     taken, rows = fit("held", EarlyStopping("val_loss", stopping_threshold=1e9), min_epochs=2)
-    assert asked == [(0, True), (1, False)]
+    assert asking.asked == [(0, True), (1, False)]
     assert taken == [0] and rows == [(0, 1), (1, 0)]
     # Forced against the policy (which wants only epoch 0): written although the fit stops.
-    wanted["epochs"] = [0]
-    Lightning.force = 1
+    asking.wanted, asking.force = [0], 1
     taken, rows = fit("forced", no_improvement_after_epoch_0())
-    assert asked == [(0, True), (1, False)]
+    assert asking.asked == [(0, True), (1, False)]
     assert taken == [0, 1] and rows == [(0, 1), (1, 1)]
 
-    class Composer(Hindsight):
-        def should_checkpoint(self, state, policy_says: bool) -> bool:
-            asked.append((int(state.timestamp.epoch) - 1, policy_says))
-            return policy_says
-
-    wanted["epochs"] = range(100)
-    asked.clear()
+    asking.wanted = range(100)
+    asking.asked.clear()
     stopper = EarlyStopper("MulticlassAccuracy", "eval", min_delta=1e9, patience=0)
-    algorithm = Composer(tmp_path / "composer", materializer="inline")
+    algorithm = asking.Composer(tmp_path / "composer", materializer="inline")
     make_trainer(epochs=5, algorithms=[algorithm], callbacks=[stopper]).fit()
-    assert asked == [(0, True), (1, False)]
-    run = stalwart.hindsight.open(tmp_path / "composer").run()
-    assert [c.epoch for c in run.checkpoints() if c.epoch >= 0] == [0]
+    assert asking.asked == [(0, True), (1, False)]
+    assert _checkpointed(tmp_path / "composer") == [0]
