@@ -220,7 +220,8 @@ class CharTransformer(L.LightningModule):
     """A small causal (GPT-style, pre-norm) transformer over characters.
 
     Token and learned position embeddings, ``n_layers`` ``nn.TransformerEncoderLayer`` blocks with
-    a causal mask, a final LayerNorm and a linear head. AdamW with a short linear warm-up. Logs
+    a causal mask, a final LayerNorm and a linear head. AdamW with a short linear warm-up, then a
+    constant learning rate or, with ``decay_steps``, a cosine decay. Logs
     ``train_loss``, ``val_loss`` (nats per character) and ``val_bpc`` (bits per character).
 
     Args:
@@ -236,6 +237,10 @@ class CharTransformer(L.LightningModule):
         warmup_steps: optimizer steps of linear learning-rate warm-up.
         ff_mult: width of each block's feed-forward layer, in multiples of ``d_model``
             (2 instead of 4 makes a step ~1/3 cheaper).
+        decay_steps: 0 keeps the learning rate constant after the warm-up; otherwise it follows
+            a cosine from ``lr`` down to ``min_lr_ratio * lr`` over this many optimizer steps
+            after the warm-up, and stays there.
+        min_lr_ratio: where the cosine ends, as a fraction of ``lr``.
 
     Example::
 
@@ -256,10 +261,17 @@ class CharTransformer(L.LightningModule):
         weight_decay: float = 0.01,
         warmup_steps: int = 50,
         ff_mult: int = 4,
+        decay_steps: int = 0,
+        min_lr_ratio: float = 0.1,
     ) -> None:
         super().__init__()
         if d_model % n_heads:
             raise ConfigurationError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
+        if decay_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
+            raise ConfigurationError(
+                f"decay_steps must be >= 0 and min_lr_ratio in [0, 1], got {decay_steps} and "
+                f"{min_lr_ratio}"
+            )
         self.save_hyperparameters()
         self.token_embedding = nn.Embedding(vocab_size, d_model)
         self.position_embedding = nn.Embedding(block_size, d_model)
@@ -310,11 +322,18 @@ class CharTransformer(L.LightningModule):
         optimizer = torch.optim.AdamW(
             self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
         )
-        warmup = max(1, self.hparams.warmup_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min(1.0, (step + 1) / warmup)
-        )
+        # A plain function, not the bound method: LambdaLR's state_dict stores only callables that
+        # are objects, so the checkpoint's scheduler state stays as it was before decay_steps.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: self._lr_factor(s))
         return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
+
+    def _lr_factor(self, step: int) -> float:
+        warmup = max(1, self.hparams.warmup_steps)
+        if step + 1 < warmup or not self.hparams.decay_steps:
+            return min(1.0, (step + 1) / warmup)
+        done = min(1.0, (step + 1 - warmup) / self.hparams.decay_steps)
+        floor = self.hparams.min_lr_ratio
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * done))
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, num_chars: int) -> torch.Tensor:
