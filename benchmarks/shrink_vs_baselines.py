@@ -205,7 +205,7 @@ def char_workload(quick: bool, schedule: str = "constant") -> Workload:
             block_size=datamodule.block_size,
             warmup_steps=warmup,
             decay_steps=decay,
-        ),  # fmt: skip
+        ),
         datamodule=datamodule,
         metric=lambda model: bpc(model, datamodule.val_dataloader()),
         metric_name="val bpc",

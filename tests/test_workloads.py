@@ -130,3 +130,26 @@ def test_char_lm_rejects_bad_configuration():
         StdlibTextDataModule(num_chars=100, block_size=64)
     with pytest.raises(ConfigurationError, match="n_heads"):
         CharTransformer(VOCAB_SIZE, d_model=130, n_heads=4)
+    with pytest.raises(ConfigurationError, match="min_lr_ratio"):
+        CharTransformer(VOCAB_SIZE, decay_steps=100, min_lr_ratio=1.5)
+
+
+def test_char_transformer_learning_rate_warms_up_then_stays_or_decays_by_a_cosine():
+    def rates(**hparams) -> list[float]:
+        model = CharTransformer(VOCAB_SIZE, lr=1.0, warmup_steps=10, **hparams)
+        optimizer, scheduler = (x[0] for x in model.configure_optimizers())
+        seen = []
+        for _ in range(40):
+            seen.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler["scheduler"].step()
+        return seen
+
+    constant, cosine = rates(), rates(decay_steps=20, min_lr_ratio=0.1)
+    assert constant[:10] == pytest.approx([(step + 1) / 10 for step in range(10)])
+    assert constant[10:] == [1.0] * 30
+    assert cosine[:10] == constant[:10]
+    # Half-way through the decay the cosine is at the middle of [0.1, 1]; then it stays at 0.1.
+    assert cosine[19] == pytest.approx(0.55)
+    assert all(a > b for a, b in zip(cosine[9:29], cosine[10:30], strict=True))
+    assert cosine[29:] == pytest.approx([0.1] * 11)
