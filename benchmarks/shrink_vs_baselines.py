@@ -299,6 +299,7 @@ def fit_segment(
     seed: int,
     cnr_threshold: float,
     tau: float,
+    tau_follows_lr: bool = False,
 ) -> L.LightningModule:
     """Train ``run`` to ``end`` epochs, resuming (new Trainer, new model) from its latest file."""
     L.seed_everything(seed, verbose=False)
@@ -306,8 +307,9 @@ def fit_segment(
     io = run.make_io(cnr_threshold)
     if io is None:
         checkpoint = ShrinkCheckpoint(
-            dirpath=str(run.directory), tau=tau, keyframe_every=10, filename="{epoch:03d}"
-        )
+            dirpath=str(run.directory), tau=tau, keyframe_every=10, filename="{epoch:03d}",
+            tau_follows_lr=tau_follows_lr,
+        )  # fmt: skip
         checkpoint.io.load_checkpoint = _timed(checkpoint.io.load_checkpoint, run.restore_seconds)
         references: list[int] = []
         save = checkpoint.io.save_checkpoint
@@ -582,6 +584,7 @@ def run_workload(
     cnr_threshold: float,
     methods: tuple[str, ...],
     tau: float,
+    tau_follows_lr: bool = False,
 ) -> tuple[bool, bool]:
     runs = {method: Run(method, root / method.replace("+", "_")) for method in methods}
     ends = workload.boundaries()
@@ -591,7 +594,7 @@ def run_workload(
         for method in order:
             start = time.perf_counter()
             models[method] = fit_segment(
-                runs[method], workload, end, index, seed, cnr_threshold, tau
+                runs[method], workload, end, index, seed, cnr_threshold, tau, tau_follows_lr
             )
             progress(
                 f"[{workload.name}] segment {index + 1}/{len(ends)} (to epoch {end}) {method}: "
@@ -628,6 +631,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--tau", type=float, default=0.05, help="stalwart's per-checkpoint quality bound"
+    )
+    parser.add_argument(
+        "--tau-follows-lr",
+        action="store_true",
+        help="ShrinkCheckpoint(tau_follows_lr=True): each save's bound is tau times the learning "
+        "rate's share of its initial value",
     )
     parser.add_argument(
         "--char-lr",
@@ -674,8 +683,9 @@ def main() -> None:
                 if directory.exists():
                     shutil.rmtree(directory)
                 result = run_workload(
-                    workload, directory, seed, args.cnr_threshold, methods, args.tau
-                )
+                    workload, directory, seed, args.cnr_threshold, methods, args.tau,
+                    args.tau_follows_lr,
+                )  # fmt: skip
                 results.append((workload.name, seed, *result))
     finally:
         if args.keep is None:

@@ -36,7 +36,12 @@ from stalwart.shrink.scoring import (
     live_evaluator,
     screening_batches,
 )
-from stalwart.shrink.search import DEFAULT_SCREEN_ACCEPT, ConfigSearch, check_adapter_arguments
+from stalwart.shrink.search import (
+    DEFAULT_SCREEN_ACCEPT,
+    ConfigSearch,
+    check_adapter_arguments,
+    learning_rate_share,
+)
 
 
 def _total_loss(loss: Any) -> torch.Tensor:
@@ -70,7 +75,11 @@ class Shrink(Algorithm):
     ``Trainer(load_path=...)`` reads the shrunken file (and its chain) transparently.
 
     Args:
-        tau: largest relative increase of the held-out loss a checkpoint may cause.
+        tau: largest relative increase of the held-out loss a checkpoint may cause, at the
+            initial learning rate.
+        tau_follows_lr: as in :class:`stalwart.callbacks.shrink.ShrinkCheckpoint`: each
+            checkpoint's weights held to ``tau`` times the learning rate's share of its initial
+            value (at least a fifth of ``tau``); off by default, see there why.
         keyframe_every: a full checkpoint (no delta) every this many saves.
         compress_optimizer: ``"auto"`` (default: the optimizer moments' form chosen by a short
             continuation of training, see :mod:`stalwart.shrink.moments`), ``"lossless"`` or
@@ -104,6 +113,7 @@ class Shrink(Algorithm):
     def __init__(
         self,
         tau: float = 0.05,
+        tau_follows_lr: bool = False,
         keyframe_every: int = 10,
         compress_optimizer: str = "auto",
         continue_steps: int = 4,
@@ -126,6 +136,7 @@ class Shrink(Algorithm):
         self.ema = GradientEMA(grad_beta)
         self.search = ConfigSearch(tau, per_type=per_type_bins, screen_accept=screen_accept)
         self.tau = tau
+        self.tau_follows_lr = tau_follows_lr
         self.eval_batches = eval_batches
         self.screen_fraction = screen_fraction
         self.evaluate = evaluate
@@ -221,6 +232,7 @@ class Shrink(Algorithm):
                 {name: tuple(p.shape) for name, p in model.named_parameters()}
                 for _ in state.optimizers
             ],
+            lr_share=learning_rate_share(state.optimizers) if self.tau_follows_lr else 1.0,
         )
         self.writer.save(weights, extra, filename, request)
 

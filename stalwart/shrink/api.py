@@ -59,7 +59,9 @@ class ShrinkReport:
     checkpoint: the bytes of the file on disk). ``optimizer`` says how the optimizer state was
     stored and the continuation check that accepted it (see :mod:`stalwart.shrink.moments`).
     ``config`` is None when nothing met ``tau`` and the weights were stored losslessly.
-    ``degradation`` (searched saves only) was measured on ``degradation_on``: ``"evaluate"``
+    ``degradation`` (searched saves only) was held to ``bound`` (``tau`` times the learning
+    rate's share, see :func:`stalwart.shrink.search.learning_rate_share`) and measured on
+    ``degradation_on``: ``"evaluate"``
     (the full scoring batches) or ``"screen"`` (an answer the search accepted on the screen
     within its margin, see ``screen_accept``). ``search`` says which search chose ``config``:
     ``"full"`` (the first checkpoint, a keyframe written by a :class:`ChainWriter`, or a later
@@ -83,6 +85,7 @@ class ShrinkReport:
     evaluations: int = 0
     screenings: int = 0
     degradation_on: str | None = None
+    bound: float | None = None
     search: str | None = None
     optimizer_bytes: int = 0
     optimizer_stored: int = 0
@@ -313,6 +316,7 @@ class _Weights:
     analyses: dict[str, TensorAnalysis]
     degradation: float | None = None
     degradation_on: str | None = None
+    bound: float | None = None
     searched: str | None = None
     search_seconds: float = 0.0
     evaluations: int = 0
@@ -348,6 +352,7 @@ def _quantize(
         config, quantized = outcome.config, outcome.quantized
         found = {
             "degradation": outcome.degradation,
+            "bound": search.bound,
             "search_seconds": outcome.seconds,
             "evaluations": outcome.evaluations,
             "screenings": outcome.screenings,
@@ -497,6 +502,7 @@ def _report(
         config=weights.config,
         degradation=weights.degradation,
         degradation_on=weights.degradation_on,
+        bound=weights.bound,
         search=weights.searched,
         weight_bytes=header["weight_bytes"],
         weight_stored=weight_stored,
@@ -571,6 +577,7 @@ def _header(
         "config": None if weights.config is None else weights.config.to_dict(),
         "degradation": weights.degradation,
         "degradation_on": weights.degradation_on,
+        "bound": weights.bound,
         "search": weights.searched,
         "order": list(state_dict),
         "tensors": entries,

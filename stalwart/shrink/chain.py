@@ -46,6 +46,9 @@ class ShrinkRequest:
     search: ConfigSearch | None = None
     continue_training: ContinueTraining | None = None
     parameter_shapes: list[Mapping[Any, tuple[int, ...]]] | None = None
+    #: The run's share of its initial learning rate (``search.learning_rate_share``): the
+    #: weights' search is held to ``tau * lr_share``.
+    lr_share: float = 1.0
 
 
 def _search_from(search: ConfigSearch, previous: ChainState | None) -> None:
@@ -147,6 +150,7 @@ class ChainWriter:
             previous = None
         if request.search is not None:
             _search_from(request.search, previous)
+            request.search.lr_share = request.lr_share
         report = save(
             weights,
             path,

@@ -30,6 +30,7 @@ def describe(path: Path) -> dict:
         "config": "lossless" if config is None else QuantConfig.from_dict(config).describe(),
         "degradation": header["degradation"],
         "degradation_on": header.get("degradation_on"),  # absent in older files
+        "bound": header.get("bound"),  # absent in older files
         "search": header.get("search"),  # absent in older files
         "weight_ratio": header["weight_bytes"] / max(weight_stored, 1),
         "total_ratio": (header["weight_bytes"] + header["extra_bytes"]) / container.size,
@@ -66,19 +67,20 @@ def inspect(args: argparse.Namespace) -> None:
         raise ConfigurationError(f"no shrunken checkpoints in {target}")
     print(
         f"{'file':28} {'kind':8} {'base':28} {'weights':>8} {'optim.':>7} {'total':>7} "
-        f"{'degr.':>7} {'cont.':>7}  weights config | optimizer moments"
+        f"{'degr.':>7} {'bound':>6} {'cont.':>7}  weights config | optimizer moments"
     )
     for row in rows:
         degradation = "-" if row["degradation"] is None else f"{row['degradation']:+.3f}"
         if row["degradation_on"] == "screen":
             degradation += "*"
         optimizer = "-" if row["optimizer_ratio"] is None else f"{row['optimizer_ratio']:.1f}x"
+        bound = "-" if row["bound"] is None else f"{row['bound']:.3f}"
         check = row["optimizer_degradation"]
         check = "reused" if row["optimizer_reused"] else "-" if check is None else f"{check:+.3f}"
         print(
             f"{row['file']:28} {row['kind']:8} {row['base'] or '-':28} "
             f"{row['weight_ratio']:7.1f}x {optimizer:>7} {row['total_ratio']:6.1f}x "
-            f"{degradation:>7} {check:>7}  "
+            f"{degradation:>7} {bound:>6} {check:>7}  "
             f"{row['config']}{' (full search)' if row['search'] == 'full' else ''} | "
             f"{row['optimizer_setting'] or 'lossless'}"
         )
@@ -90,7 +92,8 @@ def inspect(args: argparse.Namespace) -> None:
         f"files {whole:.1f}x (tensor bytes / file bytes)"
     )
     print(
-        "degr.: held-out loss of the restored weights vs exact (tau); cont.: loss after a short "
+        "degr.: held-out loss of the restored weights vs exact; bound: what it was held to (tau "
+        "times the learning rate's share of its initial value); cont.: loss after a short "
         "continuation from the stored optimizer state vs the exact state (reused: the last "
         "check's setting, within tau / 4 there)"
     )

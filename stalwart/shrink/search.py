@@ -31,6 +31,13 @@ uncompressed reference and the answer on the full batches was most of a later ch
 An answer closer to the bound is scored on the full scoring batches; when that confirmation
 fails, the candidate is marked infeasible and the search resumes from what it already knows, so a
 confirmed configuration meets tau on the full scoring batches, whatever the screen said.
+
+The bound follows the learning rate (:func:`learning_rate_share`): a restore's damage is repaired
+by training, at the pace the learning rate sets. With a cosine decay to a tenth, the char
+transformer's restores at tau = 0.05 left the final validation bpc +1.3-1.9% behind the
+uncompressed run on four seeds of four (its exact restores with another data order: -0.5..+0.6%);
+with the bound scaled by the rate's share of its initial value (at most 5x stricter), +0.4% and
++0.7% at 31x (docs/shrink.md). At a constant rate nothing changes.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -60,6 +67,31 @@ Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
 # on the full batches, docs/shrink.md): the two differed by up to 0.36 tau near the bound, and the
 # 6 candidates screened within tau/2 were all within 0.39 tau on the full batches.
 DEFAULT_SCREEN_ACCEPT = 0.5
+#: The strictest the learning rate makes the weights' bound: a fifth of tau. Without a floor a
+#: schedule that ends at 0 would leave nothing within the bound and store the last checkpoints
+#: losslessly.
+LR_SHARE_FLOOR = 0.2
+
+
+def learning_rate_share(optimizers: Sequence[torch.optim.Optimizer]) -> float:
+    """How much of its initial learning rate the run trains at now, in [LR_SHARE_FLOOR, 1].
+
+    The weights' bound is ``tau`` times this share: at a tenth of the rate, training repairs a
+    restore's damage about ten times more slowly, so a checkpoint late in a decayed run may cost
+    less. The initial rate is the ``initial_lr`` that PyTorch's schedulers write into each param
+    group (it travels with the optimizer's state, so a resumed run sees the same share); without a
+    scheduler the share is 1. A warm-up counts too (its first checkpoints are held stricter);
+    a rate above its initial value (e.g. OneCycleLR's peak) counts as 1.
+    """
+    shares = [
+        group["lr"] / group["initial_lr"]
+        for optimizer in optimizers
+        for group in optimizer.param_groups
+        if group.get("initial_lr")
+    ]
+    if not shares:
+        return 1.0
+    return min(1.0, max(LR_SHARE_FLOOR, max(shares)))
 
 
 def check_screen_accept(screen_accept: float) -> None:
@@ -145,7 +177,9 @@ class ConfigSearch:
     """Stateful search: remembers the last choice between checkpoints.
 
     Args:
-        tau: the largest relative degradation of ``evaluate`` (a loss) a checkpoint may have.
+        tau: the largest relative degradation of ``evaluate`` (a loss) a checkpoint may have, at
+            the initial learning rate: each save is held to ``tau * lr_share`` (:attr:`bound`),
+            where the caller sets ``lr_share`` (:func:`learning_rate_share`; 1 by default).
         has_gradients: whether sensitivity-based pruning is possible.
         neighbourhood: whether later checkpoints search near the previous choice (paper) or redo
             the full search every time.
@@ -173,10 +207,18 @@ class ConfigSearch:
     ) -> None:
         check_screen_accept(screen_accept)
         self.tau = tau
+        #: This save's share of the initial learning rate (:func:`learning_rate_share`), set by
+        #: the caller before each save; the search holds candidates to ``tau * lr_share``.
+        self.lr_share = 1.0
         self.neighbourhood = neighbourhood
         self.per_type = per_type
         self.screen_accept = screen_accept
         self.previous: QuantConfig | None = None
+
+    @property
+    def bound(self) -> float:
+        """The relative degradation this save's weights may have: ``tau * lr_share``."""
+        return self.tau * self.lr_share
 
     def state_dict(self) -> dict:
         return {"previous": None if self.previous is None else self.previous.to_dict()}
@@ -238,7 +280,7 @@ class ConfigSearch:
             full = full or screen is None
             name, function = ("evaluate", evaluate) if full else ("screen", screen)
             degradation = relative(name, function, candidate_of(quantized))
-            feasible = math.isfinite(degradation) and degradation <= self.tau
+            feasible = math.isfinite(degradation) and degradation <= self.bound
             size = estimated_size_bits(quantized)
             cache[config] = (Trial(config, degradation, feasible, size, full), quantized)
 
@@ -256,7 +298,7 @@ class ConfigSearch:
             """``record`` as the answer: kept on its screen within the margin, else scored on the
             full batches (if it was not already)."""
             within_margin = (
-                self.screen_accept > 0 and record.degradation <= self.screen_accept * self.tau
+                self.screen_accept > 0 and record.degradation <= self.screen_accept * self.bound
             )
             if not record.confirmed and not within_margin:
                 measure(record.config, cache[record.config][1], True)
@@ -352,7 +394,7 @@ class ConfigSearch:
             # is clearly better. "Clearly": by a quarter of the bound, because a switch re-prunes
             # different elements and so costs a poorly compressible delta.
             other = replace(previous, prune_metric=next(m for m in metrics if m != metric))
-            if trial(other).degradation < trial(previous).degradation - 0.25 * self.tau:
+            if trial(other).degradation < trial(previous).degradation - 0.25 * self.bound:
                 metric = other.prune_metric
         base = replace(previous, prune_metric=metric if previous.prune > 0 else "magnitude")
         candidates = {base}

@@ -172,3 +172,16 @@ def test_latest_symlink_and_rotation_never_break_a_chain(tmp_path):
         save_folder=str(tmp_path / "resumed"),
     )  # fmt: skip
     assert int(trainer.state.timestamp.epoch) == 4
+
+
+def test_with_tau_following_the_learning_rate_each_save_is_held_to_the_schedules_share(tmp_path):
+    # The digits run's StepLR halves the rate every 2 epochs; a save at an epoch's end sees the
+    # rate the next epoch trains at (the one a run resumed from it continues with).
+    shrink = Shrink(tau=TAU, tau_follows_lr=True)
+    trainer = make_trainer(
+        epochs=4, algorithms=[shrink], save_folder=str(tmp_path), save_interval="1ep"
+    )
+    trainer.fit()
+    trainer.close()
+    assert all(r.degradation <= r.bound for r in shrink.reports)
+    assert [r.bound / TAU for r in shrink.reports] == pytest.approx([1.0, 0.5, 0.5, 0.25])

@@ -1,5 +1,6 @@
 """ShrinkCheckpoint in real Lightning training: restores, chain bookkeeping, no side effects."""
 
+import math
 import subprocess
 import sys
 
@@ -74,6 +75,23 @@ def test_training_through_restores_keeps_the_metric_and_shrinks_20x(
     assert abs(accuracy - uncompressed_accuracy) / uncompressed_accuracy <= 0.01, (
         accuracy, uncompressed_accuracy,
     )  # fmt: skip
+
+
+def test_with_tau_following_the_learning_rate_each_save_is_held_to_the_schedules_share(tmp_path):
+    # DigitsCNN's cosine over 4 epochs: a save at the end of epoch e sees the rate the schedule
+    # set for epoch e + 1, the one a run resumed from it trains at: 0.85, 0.5, 0.15 and 0 of the
+    # initial rate. The bound is tau times that share, never below a fifth of tau.
+    def bounds(**kwargs) -> list[float]:
+        callback = ShrinkCheckpoint(dirpath=tmp_path / str(kwargs), **kwargs)
+        L.Trainer(max_epochs=4, callbacks=[callback], **_quiet()).fit(
+            DigitsCNN(max_epochs=4), DigitsCNNDataModule()
+        )
+        assert all(r.degradation is None or r.degradation <= r.bound for r in callback.reports)
+        return [r.bound / 0.05 for r in callback.reports]
+
+    shares = [(1 + math.cos(math.pi / 4)) / 2, 0.5, 0.2, 0.2]
+    assert bounds(tau_follows_lr=True) == pytest.approx(shares)
+    assert bounds() == [pytest.approx(1.0)] * 4  # the default keeps tau throughout
 
 
 def test_evaluation_leaves_no_trace_in_training(tmp_path):

@@ -4,6 +4,7 @@ increases precision."""
 import argparse
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from stalwart.errors import ConfigurationError
 from stalwart.shrink.chain import ChainWriter, ShrinkRequest
 from stalwart.shrink.inspect import describe, inspect
 from stalwart.shrink.partition import QuantConfig
+from stalwart.shrink.search import LR_SHARE_FLOOR, learning_rate_share
 
 
 def _model_and_data(seed=0):
@@ -341,3 +343,44 @@ def test_a_keyframe_searches_afresh_so_a_chain_can_come_back_down(tmp_path):
     # Between keyframes the paper's rule holds: never more aggressive than the last choice.
     assert after.search == "neighbourhood"
     assert after.config.at_most_as_aggressive_as(keyframe.config), (keyframe.config, after.config)
+
+
+def test_the_learning_rate_share_follows_pytorchs_own_schedulers():
+    def share_after(steps: int, make_scheduler=None) -> float:
+        optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        scheduler = make_scheduler(optimizer) if make_scheduler else None
+        for _ in range(steps):
+            optimizer.step()
+            scheduler.step()
+        return learning_rate_share([optimizer])
+
+    assert share_after(0) == 1.0  # no scheduler: no initial_lr to compare with
+    assert share_after(1, lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)) == 0.5
+    cosine = lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10)  # noqa: E731
+    assert share_after(5, cosine) == pytest.approx(0.5)
+    assert share_after(10, cosine) == LR_SHARE_FLOOR  # the rate reached 0: a fifth of tau
+    warm_up = lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.5, total_iters=4)  # noqa: E731
+    assert share_after(0, warm_up) == 0.5 and share_after(4, warm_up) == pytest.approx(1.0)
+    # OneCycleLR's initial_lr is its peak over div_factor: above it the share stays 1.
+    one_cycle = lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1.0, total_steps=20)  # noqa: E731
+    assert share_after(5, one_cycle) == 1.0
+
+
+def test_a_save_at_a_decayed_learning_rate_is_held_to_the_scaled_bound(tmp_path):
+    # The same weights and loss saved at the initial rate and at a fifth of it: the second
+    # search may degrade the loss by a fifth as much, so it keeps more levels; the file says so.
+    weights = {"fc.weight": torch.randn(40, 50, generator=torch.Generator().manual_seed(0))}
+    honest = _squared_error_loss(weights["fc.weight"].clone())
+    saved = []
+    for share in (1.0, 0.2):
+        writer = ChainWriter(tau=0.05, compress_optimizer="lossless")
+        search = shrink.ConfigSearch(tau=0.05)
+        request = ShrinkRequest(honest, search=search, lr_share=share)
+        saved.append(writer.save(weights, None, tmp_path / f"{share}.shrunk", request))
+    full, decayed = saved
+    assert (full.bound, decayed.bound) == (pytest.approx(0.05), pytest.approx(0.01))
+    assert 0.01 < full.degradation <= 0.05 and decayed.degradation <= 0.01
+    assert decayed.config.bins > full.config.bins, (full.config, decayed.config)
+    assert honest(shrink.load(decayed.path)) - 1.0 <= 0.01 + 1e-6
+    bounds_on_disk = [describe(Path(r.path))["bound"] for r in saved]
+    assert bounds_on_disk == [pytest.approx(0.05), pytest.approx(0.01)]
