@@ -207,9 +207,7 @@ class ConfigSearch:
     ) -> None:
         check_screen_accept(screen_accept)
         self.tau = tau
-        #: This save's share of the initial learning rate (:func:`learning_rate_share`), set by
-        #: the caller before each save; the search holds candidates to ``tau * lr_share``.
-        self.lr_share = 1.0
+        self.lr_share = 1.0  # set by the caller before each save: see :attr:`bound`
         self.neighbourhood = neighbourhood
         self.per_type = per_type
         self.screen_accept = screen_accept
