@@ -32,12 +32,12 @@ An answer closer to the bound is scored on the full scoring batches; when that c
 fails, the candidate is marked infeasible and the search resumes from what it already knows, so a
 confirmed configuration meets tau on the full scoring batches, whatever the screen said.
 
-The bound follows the learning rate (:func:`learning_rate_share`): a restore's damage is repaired
-by training, at the pace the learning rate sets. With a cosine decay to a tenth, the char
-transformer's restores at tau = 0.05 left the final validation bpc +1.3-1.9% behind the
-uncompressed run on four seeds of four (its exact restores with another data order: -0.5..+0.6%);
-with the bound scaled by the rate's share of its initial value (at most 5x stricter), +0.4% and
-+0.7% at 31x (docs/shrink.md). At a constant rate nothing changes.
+The bound can follow the learning rate (``lr_share``, :func:`learning_rate_share`; the adapters'
+``tau_follows_lr``, opt-in): a restore's damage is repaired by training, at the pace the learning
+rate sets. With a cosine decay to a tenth, the char transformer's restores at tau = 0.05 left the
+final validation bpc +1.1..+2.4% behind the uncompressed run on eight seeds of eight; with the
+bound scaled by the rate's share of its initial value (at most 5x stricter), within 1% on seven of
+eight, at 29.4-32.1x instead of 33.0-35.8x (docs/shrink.md). At a constant rate nothing changes.
 """
 
 from __future__ import annotations
