@@ -5,16 +5,28 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The registry's connection sometimes drops in the middle of a large wheel (CI once lost torch's
+# 156 MB triton wheel at 140 MB after pip's default 5 resumes): resume more often, and run the
+# whole install up to three times before giving up. PIP_RESUME_RETRIES, not --resume-retries,
+# because the venv's first pip (before it upgrades itself) does not know the option.
+export PIP_RESUME_RETRIES ?= 30
+export PIP_RETRIES ?= 10
+ATTEMPTS := 1 2 3
 
 .PHONY: demo test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	for attempt in $(ATTEMPTS); do \
+	  $(BIN)/python -m pip install --quiet --upgrade pip && exit 0; sleep 10; \
+	done; exit 1
 
 # constraints.txt pins torch to the release Composer accepts (torch<2.7.1).
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[all,dev]'
+	for attempt in $(ATTEMPTS); do \
+	  $(BIN)/python -m pip install --quiet -c constraints.txt -e '.[all,dev]' && exit 0; \
+	  echo "pip install failed (attempt $$attempt of 3); retrying in 20 s" >&2; sleep 20; \
+	done; exit 1
 	touch $(STAMP)
 
 demo: $(STAMP)
