@@ -79,7 +79,8 @@ class Shrink(Algorithm):
             initial learning rate.
         tau_follows_lr: as in :class:`stalwart.callbacks.shrink.ShrinkCheckpoint`: each
             checkpoint's weights held to ``tau`` times the learning rate's share of its initial
-            value (at least a fifth of ``tau``); off by default, see there why.
+            value (at least a fifth of ``tau``; ``tau`` where nothing meets that); on by
+            default, False holds every save to ``tau``.
         keyframe_every: a full checkpoint (no delta) every this many saves.
         compress_optimizer: ``"auto"`` (default: the optimizer moments' form chosen by a short
             continuation of training, see :mod:`stalwart.shrink.moments`), ``"lossless"`` or
@@ -113,7 +114,7 @@ class Shrink(Algorithm):
     def __init__(
         self,
         tau: float = 0.05,
-        tau_follows_lr: bool = False,
+        tau_follows_lr: bool = True,
         keyframe_every: int = 10,
         compress_optimizer: str = "auto",
         continue_steps: int = 4,

@@ -62,13 +62,12 @@ class ShrinkCheckpoint(ModelCheckpoint):
             initial learning rate.
         tau_follows_lr: hold each checkpoint's weights to ``tau`` times the learning rate's share
             of its initial value (at least a fifth of ``tau``; see
-            :func:`stalwart.shrink.search.learning_rate_share`). Late in a decayed run training
-            repairs a restore's damage slowly: on the char transformer with a cosine decay to a
-            tenth, restores at a fixed ``tau=0.05`` ended +1.1..+2.4% behind in validation bpc
-            over eight seeds, with this on within 1% on seven (at ~13% more bytes;
-            docs/shrink.md). Off by default: where the held-out loss is
-            near zero (the digits CNN, whose rate decays to 0) the stricter bound can leave
-            nothing within it, and a checkpoint is then stored losslessly.
+            :func:`stalwart.shrink.search.learning_rate_share`); where nothing meets that, to
+            ``tau`` itself. Late in a decayed run training repairs a restore's damage slowly: on
+            the char transformer with a cosine decay to a tenth, restores at a fixed
+            ``tau=0.05`` ended +1.1..+2.4% behind in validation bpc over eight seeds, with this
+            within 1% on seven (at ~13% more bytes; docs/shrink.md). At a constant rate (or
+            without a scheduler) it changes nothing. False holds every save to ``tau``.
         every_n_epochs: save every this many epochs (``every_n_train_steps`` also works).
         keyframe_every: a full checkpoint (no delta) every this many saves.
         compress_optimizer: ``"auto"`` (default: the moments' form chosen by the continuation
@@ -113,7 +112,7 @@ class ShrinkCheckpoint(ModelCheckpoint):
         self,
         dirpath: str | None = None,
         tau: float = 0.05,
-        tau_follows_lr: bool = False,
+        tau_follows_lr: bool = True,
         every_n_epochs: int | None = 1,
         keyframe_every: int = 10,
         compress_optimizer: str = "auto",

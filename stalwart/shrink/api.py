@@ -39,7 +39,12 @@ from stalwart.shrink.moments import (
 )
 from stalwart.shrink.partition import QuantConfig, guess_layer_type
 from stalwart.shrink.quantize import QuantizedTensor, TensorAnalysis
-from stalwart.shrink.search import DEFAULT_SCREEN_ACCEPT, ConfigSearch, check_screen_accept
+from stalwart.shrink.search import (
+    DEFAULT_SCREEN_ACCEPT,
+    ConfigSearch,
+    check_screen_accept,
+    run_within_bound,
+)
 
 DEFAULT_CONFIG = QuantConfig(bins=16, prune=0.0, prune_metric="magnitude", protect=0.005)
 LOSSY_OPTIMIZER_CONFIG = QuantConfig(bins=32, prune=0.0, prune_metric="magnitude", protect=0.01)
@@ -348,7 +353,7 @@ def _quantize(
         search = search or ConfigSearch(tau, screen_accept=screen_accept)
         if chain is not None and search.previous is None and chain.config is not None:
             search.previous = chain.config
-        outcome = search.run(analyses, state_dict, evaluate, screen, fixed=rounded)
+        outcome = run_within_bound(search, analyses, state_dict, evaluate, screen, fixed=rounded)
         config, quantized = outcome.config, outcome.quantized
         found = {
             "degradation": outcome.degradation,

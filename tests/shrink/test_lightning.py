@@ -90,8 +90,8 @@ def test_with_tau_following_the_learning_rate_each_save_is_held_to_the_schedules
         return [r.bound / 0.05 for r in callback.reports]
 
     shares = [(1 + math.cos(math.pi / 4)) / 2, 0.5, 0.2, 0.2]
-    assert bounds(tau_follows_lr=True) == pytest.approx(shares)
-    assert bounds() == [pytest.approx(1.0)] * 4  # the default keeps tau throughout
+    assert bounds() == pytest.approx(shares)  # the default follows the rate
+    assert bounds(tau_follows_lr=False) == [pytest.approx(1.0)] * 4
 
 
 def test_evaluation_leaves_no_trace_in_training(tmp_path):

@@ -384,3 +384,24 @@ def test_a_save_at_a_decayed_learning_rate_is_held_to_the_scaled_bound(tmp_path)
     assert honest(shrink.load(decayed.path)) - 1.0 <= 0.01 + 1e-6
     bounds_on_disk = [describe(Path(r.path))["bound"] for r in saved]
     assert bounds_on_disk == [pytest.approx(0.05), pytest.approx(0.01)]
+
+
+def test_where_nothing_meets_the_scaled_bound_the_save_falls_back_to_tau_not_to_lossless(tmp_path):
+    # Every quantized candidate costs 3% (any rounding at all): within tau = 5%, never within a
+    # fifth of it. Late in a run decayed to 0 the scaled bound is unreachable; tau is the promise,
+    # so the save is searched again at tau and written quantized, and says what held it.
+    weights = {"fc.weight": torch.randn(40, 50, generator=torch.Generator().manual_seed(0))}
+    rounding_costs_3_percent = _screen_saying(0.03, weights["fc.weight"].clone())
+    saved = {}
+    for share in (1.0, LR_SHARE_FLOOR):
+        writer = ChainWriter(tau=0.05, compress_optimizer="lossless")
+        request = ShrinkRequest(
+            rounding_costs_3_percent, search=shrink.ConfigSearch(tau=0.05), lr_share=share
+        )
+        saved[share] = writer.save(weights, None, tmp_path / f"{share}.shrunk", request)
+    full, decayed = saved[1.0], saved[LR_SHARE_FLOOR]
+    assert decayed.config is not None, "stored losslessly: the fallback to tau did not run"
+    assert decayed.config == full.config and decayed.degradation == pytest.approx(0.03)
+    assert decayed.bound == pytest.approx(0.05) == describe(Path(decayed.path))["bound"]
+    assert decayed.ratio == pytest.approx(full.ratio) and full.ratio > 4
+    # Where the scaled bound can be met, it holds (no fallback): see the test above.
