@@ -299,7 +299,7 @@ def fit_segment(
     seed: int,
     cnr_threshold: float,
     tau: float,
-    tau_follows_lr: bool = False,
+    tau_follows_lr: bool = True,
 ) -> L.LightningModule:
     """Train ``run`` to ``end`` epochs, resuming (new Trainer, new model) from its latest file."""
     L.seed_everything(seed, verbose=False)
@@ -584,7 +584,7 @@ def run_workload(
     cnr_threshold: float,
     methods: tuple[str, ...],
     tau: float,
-    tau_follows_lr: bool = False,
+    tau_follows_lr: bool = True,
 ) -> tuple[bool, bool]:
     runs = {method: Run(method, root / method.replace("+", "_")) for method in methods}
     ends = workload.boundaries()
@@ -633,10 +633,10 @@ def main() -> None:
         "--tau", type=float, default=0.05, help="stalwart's per-checkpoint quality bound"
     )
     parser.add_argument(
-        "--tau-follows-lr",
+        "--fixed-tau",
         action="store_true",
-        help="ShrinkCheckpoint(tau_follows_lr=True): each save's bound is tau times the learning "
-        "rate's share of its initial value",
+        help="ShrinkCheckpoint(tau_follows_lr=False): every save held to tau (by default each "
+        "save's bound is tau times the learning rate's share of its initial value)",
     )
     parser.add_argument(
         "--char-lr",
@@ -684,7 +684,7 @@ def main() -> None:
                     shutil.rmtree(directory)
                 result = run_workload(
                     workload, directory, seed, args.cnr_threshold, methods, args.tau,
-                    args.tau_follows_lr,
+                    not args.fixed_tau,
                 )  # fmt: skip
                 results.append((workload.name, seed, *result))
     finally:
