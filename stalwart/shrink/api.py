@@ -65,7 +65,8 @@ class ShrinkReport:
     stored and the continuation check that accepted it (see :mod:`stalwart.shrink.moments`).
     ``config`` is None when nothing met ``tau`` and the weights were stored losslessly.
     ``degradation`` (searched saves only) was held to ``bound`` (``tau`` times the learning
-    rate's share, see :func:`stalwart.shrink.search.learning_rate_share`) and measured on
+    rate's share, see :func:`stalwart.shrink.search.learning_rate_share`, or ``tau`` where
+    nothing met that: :func:`stalwart.shrink.search.run_within_bound`) and measured on
     ``degradation_on``: ``"evaluate"``
     (the full scoring batches) or ``"screen"`` (an answer the search accepted on the screen
     within its margin, see ``screen_accept``). ``search`` says which search chose ``config``:

@@ -93,7 +93,8 @@ def inspect(args: argparse.Namespace) -> None:
     )
     print(
         "degr.: held-out loss of the restored weights vs exact; bound: what it was held to (tau "
-        "times the learning rate's share of its initial value); cont.: loss after a short "
+        "times the learning rate's share of its initial value, or tau where nothing met "
+        "that); cont.: loss after a short "
         "continuation from the stored optimizer state vs the exact state (reused: the last "
         "check's setting, within tau / 4 there)"
     )
