@@ -49,6 +49,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -96,28 +97,22 @@ def learning_rate_share(optimizers: Sequence[torch.optim.Optimizer]) -> float:
     return min(1.0, max(LR_SHARE_FLOOR, max(shares)))
 
 
-def run_within_bound(
-    search: ConfigSearch,
-    analyses: Mapping[str, TensorAnalysis],
-    state_dict: Mapping[str, torch.Tensor],
-    evaluate: Evaluate,
-    screen: Evaluate | None = None,
-    fixed: Mapping[str, torch.Tensor] | None = None,
-) -> SearchOutcome:
-    """``search.run(...)``; where the learning rate's share made the bound stricter than anything
-    met, the search again at ``tau`` itself (``lr_share`` left at 1, so :attr:`ConfigSearch.bound`
-    says what the answer was held to), and the two searches' costs added up.
+def run_within_bound(search: ConfigSearch, *inputs: Any, **named: Any) -> SearchOutcome:
+    """``search.run(*inputs, **named)``; where the learning rate's share made the bound stricter
+    than anything met, the search again at ``tau`` itself (``lr_share`` left at 1, so
+    :attr:`ConfigSearch.bound` says what the answer was held to), and the two searches' costs
+    added up.
 
     The share is a preference for precision late in a decayed run; ``tau`` is the promise.
     Without the fallback the digits CNN (a cosine to 0, a held-out loss near zero) found nothing
     within a fifth of tau at its last checkpoint of seed 0 and stored it losslessly: the chain
     came out 27.1x smaller than ``torch.save``, 42.8x with the fallback (docs/shrink.md).
     """
-    outcome = search.run(analyses, state_dict, evaluate, screen, fixed)
+    outcome = search.run(*inputs, **named)
     if outcome.config is not None or search.lr_share >= 1.0:
         return outcome
     search.lr_share = 1.0
-    again = search.run(analyses, state_dict, evaluate, screen, fixed)
+    again = search.run(*inputs, **named)
     again.trials = outcome.trials + again.trials
     again.seconds += outcome.seconds
     again.evaluations += outcome.evaluations
