@@ -15,6 +15,8 @@ stateless workers do while the PS is down):
 * ``traj mean``  scale 1/workers: the mean of the trajectories' end points (what
   ``backlog_scale`` does now);
 * ``traj sum``   scale 1: every trajectory added in full;
+* ``traj xR``    scale R/workers for each ``--outer`` rate R (DiLoCo-style outer rates: the
+  trajectories' mean delta applied R times over);
 
 and, for reference, ``fresh``: k ordinary SGD steps, each on a new gradient at the current
 weights (what a live PS would have done with the same work; an upper bound). w0 is reached by
@@ -61,8 +63,10 @@ def main() -> None:
     parser.add_argument("--backlog", default="20,100,300", help="queued gradients k")
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--workers", type=int, default=3, help="local trajectories")
+    parser.add_argument("--outer", default="", help="outer rates R, e.g. 1.5,2: traj xR columns")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
+    outer = [float(v) for v in args.outer.split(",") if v]
     torch.set_num_threads(1)
     befores = [int(v) for v in args.before.split(",")]
     backlogs = [int(v) for v in args.backlog.split(",")]
@@ -72,9 +76,10 @@ def main() -> None:
     workload = DigitsWorkload(hidden=512)
     model = workload.model()
     print(f"lr {args.lr}; test accuracy after applying a backlog of k gradients computed on w0")
+    outer_columns = "".join(f"traj x{r:g} | " for r in outer)
     print(f"| seed | steps before | acc(w0) | k | {' | '.join(RULES)} | traj mean | traj sum "
-          "| fresh (k SGD steps) |")  # fmt: skip
-    print("|---" * (7 + len(RULES)) + "|")
+          f"| {outer_columns}fresh (k SGD steps) |")  # fmt: skip
+    print("|---" * (7 + len(RULES) + len(outer)) + "|")
     for seed in seeds:
         for before in befores:
             torch.manual_seed(seed)
@@ -101,7 +106,7 @@ def main() -> None:
                         local_total += g
                 after += [
                     _accuracy(workload, model, apply_update(weights, local_total, args.lr, scale))
-                    for scale in (1 / args.workers, 1.0)
+                    for scale in (1 / args.workers, 1.0, *(r / args.workers for r in outer))
                 ]
                 fresh = weights.clone()
                 for _ in range(k):
