@@ -9,14 +9,20 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
-from stalwart.callbacks.lightning_internals import current_hook, intercept_log, release_log
+from stalwart.callbacks.lightning_internals import (
+    current_hook,
+    intercept_log,
+    log_position,
+    release_log,
+)
 from stalwart.hindsight.store import HindsightStore
 
 
 class LogCapture:
     """Sees every ``pl_module.log`` call (``log_dict`` goes through it too) for a fit.
 
-    Values are kept as passed (tensors detached, converted at flush) and written in one commit per
+    CPU scalars are read at once, device tensors detached and read at flush (reading them at the
+    call would wait for the device); all are written in one commit per
     :meth:`flush`. Sanity-check values are skipped: Lightning discards them too.
 
     Args:
@@ -54,20 +60,27 @@ class LogCapture:
         self.spent = 0.0
 
     def attach(self, pl_module: LightningModule, trainer: Trainer) -> None:
+        position = log_position(trainer, pl_module)
+
         def seen(name: str, value: Any) -> None:
             started = time.perf_counter()
-            if isinstance(value, torch.Tensor):
-                captured: Any = value.detach()
-            elif isinstance(value, (int, float)):
-                captured = float(value)
-            else:  # e.g. a torchmetrics Metric: its value exists only once Lightning computes it
-                captured = None
-            epoch = trainer.current_epoch
-            if captured is not None and not trainer.sanity_checking and self.keep(epoch):
-                self._pending.append(
-                    (self.run_id, epoch, trainer.global_step, name, captured,
-                     current_hook(pl_module), self.source, self.replay_id)
-                )  # fmt: skip
+            where = position()  # (epoch, global step); None in the sanity check
+            if where is not None and self.keep(where[0]):
+                if isinstance(value, torch.Tensor):
+                    # A CPU scalar is read now, cheaper than a detached tensor read at flush; a
+                    # device's at flush, since reading it here waits for the device every call.
+                    captured: Any = (
+                        value.item() if value.is_cpu and value.numel() == 1 else value.detach()
+                    )
+                elif isinstance(value, (int, float)):
+                    captured = float(value)
+                else:  # e.g. a torchmetrics Metric: its value exists once Lightning computes it
+                    captured = None
+                if captured is not None:
+                    self._pending.append(
+                        (self.run_id, *where, name, captured, current_hook(pl_module),
+                         self.source, self.replay_id)
+                    )  # fmt: skip
             if self.flush_every is not None and started - self._flushed >= self.flush_every:
                 self.flush()
             self.spent += time.perf_counter() - started

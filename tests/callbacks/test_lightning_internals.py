@@ -228,3 +228,63 @@ def test_dispatch_skips_the_hooks_a_callback_leaves_unused(tmp_path):
     assert "on_before_backward" not in called and callback.on_before_backward is None
     unused = {name for name in called if getattr(Callback, name) is getattr(ShrinkCheckpoint, name)}
     assert unused <= set(internals._CALLED_DIRECTLY), unused
+
+
+class _LogsEverywhere(DigitsClassifier):
+    """Logs from the training and validation steps and an epoch-end hook, and notes at each
+    call where ``log_position`` says it lands and where the trainer's public properties do."""
+
+    def __init__(self, manual: bool = False) -> None:
+        super().__init__(width=8)
+        self.automatic_optimization = not manual
+        self.position = None
+        self.calls: list[tuple] = []
+
+    def log(self, name, value, *args, **kwargs):
+        trainer = self.trainer
+        public = None if trainer.sanity_checking else (trainer.current_epoch, trainer.global_step)
+        self.calls.append((name, self.position(), public))
+        return super().log(name, value, *args, **kwargs)
+
+    def training_step(self, batch, batch_idx):
+        if self.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        if batch_idx % 2:  # a step every other batch: global_step is not the batch count
+            optimizer.step()
+        return loss
+
+    def on_train_epoch_end(self):
+        self.log("epoch_end", 1.0)
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_log_position_agrees_with_the_trainers_own_properties_at_every_log_call(tmp_path, manual):
+    class Bind(Callback):
+        def setup(self, trainer, pl_module, stage):
+            pl_module.position = internals.log_position(trainer, pl_module)
+
+    def fit(module, epochs, **kwargs):
+        trainer = L.Trainer(
+            max_epochs=epochs,
+            callbacks=[Bind(), ModelCheckpoint(dirpath=tmp_path / str(epochs), save_last=True)],
+            num_sanity_val_steps=2,
+            limit_train_batches=6,
+            accumulate_grad_batches=1 if manual else 2,
+            **{**QUIET, "enable_checkpointing": True},
+        )
+        trainer.fit(module, DigitsDataModule(batch_size=64), **kwargs)
+        return module.calls
+
+    first = fit(_LogsEverywhere(manual), epochs=2)
+    # Resumed from the last checkpoint: the trackers are loaded in place, the reader still reads.
+    resumed = fit(_LogsEverywhere(manual), epochs=4, ckpt_path=str(tmp_path / "2" / "last.ckpt"))
+    for calls in (first, resumed):
+        assert [position for _, position, _ in calls] == [public for _, _, public in calls]
+    assert [public for _, _, public in first[:4]] == [None] * 4  # the sanity check's two steps
+    assert {public[0] for _, _, public in resumed if public} == {2, 3}
+    steps = [public[1] for _, _, public in first + resumed if public]
+    assert steps == sorted(steps) and steps[-1] == 12 and len(set(steps)) == 13
