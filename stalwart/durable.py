@@ -8,8 +8,10 @@ temp file a killed writer leaves behind is never read as data.
 A reader learns what the file should be in one of two ways:
 
 - from an index the writer updated with the :class:`WrittenFile` it got back (hindsight keeps
-  size and CRC-32 in its SQLite store), checked by :func:`verify_file`; the file itself stays a
-  plain ``torch.save`` archive that ``torch.load`` and Lightning's ``ckpt_path=`` read;
+  size and CRC-32 in its SQLite store), checked by :func:`verify_file`, or for a ``torch.save``
+  archive written by :func:`save_torch_zip` by :func:`verify_torch_zip` (the CRC-32 then vouches
+  for the zip's own per-record CRC-32s); the file itself stays a plain ``torch.save`` archive
+  that ``torch.load`` and Lightning's ``ckpt_path=`` read;
 - from a *seal*, a 16-byte trailer (payload size, CRC-32, magic) appended by
   ``write_atomic(..., seal=True)`` and checked by :func:`read_sealed`, for files nothing else
   indexes (the parameter server's checkpoint, the pipeline's stage files).
@@ -29,6 +31,7 @@ import json
 import os
 import struct
 import time
+import zipfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -272,6 +275,76 @@ def save_torch(obj: Any, path: str | os.PathLike, *, seal: bool = True) -> Writt
         return nbytes, crc32
 
     return _replace_atomically(path, write)
+
+
+def save_torch_zip(obj: Any, path: str | os.PathLike) -> WrittenFile:
+    """``torch.save`` ``obj`` to ``path`` atomically and durably, without reading it back.
+
+    torch's archive is a zip that holds a CRC-32 of every record, computed as torch writes it.
+    The returned ``crc32`` covers the zip's central directory (which holds those CRC-32s) and
+    what follows it, a small tail read back; :func:`verify_torch_zip` checks both. A CRC-32 of the
+    whole file read back (:func:`save_torch`) would be a second pass over the state: 0.25 s of
+    the ~0.6 s of CPU a 500 MB checkpoint's write takes here.
+    """
+
+    def write(temp: Path) -> tuple[int, int]:
+        torch.save(obj, os.fspath(temp))
+        with open(temp, "rb") as handle:
+            checked = zip_tail_checksum(handle)
+            os.fsync(handle.fileno())
+        return checked
+
+    return _replace_atomically(path, write)
+
+
+def zip_tail_checksum(handle: BinaryIO) -> tuple[int, int]:
+    """Size of the zip archive open in ``handle`` and the CRC-32 of its central directory and
+    everything after it."""
+    try:
+        with zipfile.ZipFile(handle) as archive:  # reads the end records and the directory
+            start = archive.start_dir
+    except zipfile.BadZipFile as exc:
+        raise CorruptCheckpointError(f"not a complete zip archive: {exc}") from None
+    nbytes = handle.seek(0, os.SEEK_END)
+    handle.seek(start)
+    return nbytes, zlib.crc32(handle.read())
+
+
+def verify_torch_zip(path: str | os.PathLike, nbytes: int, crc32: int) -> bytes:
+    """Read ``path`` whole and check it against what :func:`save_torch_zip` returned: its size,
+    the CRC-32 of its central directory and tail, and each record against the CRC-32 the
+    directory holds for it. A file indexed with the CRC-32 of all its bytes (as hindsight's
+    checkpoints were before) is checked that way.
+
+    Raises:
+        CorruptCheckpointError: the file is missing, truncated or changed.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise _missing(path) from None
+    found = "not a zip archive"
+    if len(data) == nbytes:
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                if zlib.crc32(memoryview(data)[archive.start_dir :]) == crc32:
+                    bad = archive.testzip()  # every record against its CRC-32
+                    if bad is None:
+                        return data
+                    found = f"record {bad} does not match its CRC-32"
+                else:
+                    found = "its zip directory does not match"
+        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+            found = f"a broken zip archive ({exc})"
+        if zlib.crc32(data) == crc32:  # indexed with the CRC-32 of the whole file
+            return data
+    else:
+        found = f"{len(data)} bytes"
+    raise CorruptCheckpointError(
+        f"{path} is corrupted: expected {nbytes} bytes whose CRC-32 checks give {crc32:#010x}, "
+        f"found {found}. It was changed or truncated after it was written; use an earlier file."
+    )
 
 
 def load_torch(

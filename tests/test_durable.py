@@ -63,6 +63,45 @@ def test_torn_or_changed_sealed_file_is_detected(tmp_path, damage):
         durable.read_sealed(path)
 
 
+def _record_offset(data: bytes, tensor: torch.Tensor) -> int:
+    """Where a tensor's bytes sit in a torch.save archive."""
+    return data.index(tensor.numpy().tobytes()[:64])
+
+
+@pytest.mark.parametrize("damage", ["tensor byte", "directory byte", "truncated", "extended"])
+def test_a_torch_zip_is_verified_by_its_own_record_crcs_and_its_directory(tmp_path, damage):
+    path = tmp_path / "epoch=0001.ckpt"
+    weights = torch.randn(4096)
+    written = durable.save_torch_zip({"w": weights, "step": 3}, path)
+    data = durable.verify_torch_zip(path, written.nbytes, written.crc32)
+    assert data == path.read_bytes() and written.nbytes == len(data)
+    assert torch.equal(torch.load(path, weights_only=True)["w"], weights)
+    assert [p.name for p in tmp_path.iterdir()] == ["epoch=0001.ckpt"]  # no temp left
+    broken = bytearray(data)
+    if damage == "tensor byte":
+        broken[_record_offset(data, weights) + 4096] ^= 0x10
+    elif damage == "directory byte":
+        broken[-40] ^= 0x10
+    elif damage == "truncated":
+        broken = broken[: len(broken) // 2]
+    else:
+        broken += b"\0"
+    path.write_bytes(bytes(broken))
+    with pytest.raises(CorruptCheckpointError, match="is corrupted"):
+        durable.verify_torch_zip(path, written.nbytes, written.crc32)
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        durable.verify_torch_zip(tmp_path / "gone.ckpt", written.nbytes, written.crc32)
+
+
+def test_a_torch_zip_indexed_with_the_crc_of_all_its_bytes_still_verifies(tmp_path):
+    """Hindsight's index rows written before kept the CRC-32 of the whole file."""
+    path = tmp_path / "old.ckpt"
+    written = durable.save_torch({"w": torch.ones(100)}, path, seal=False)
+    assert durable.verify_torch_zip(path, written.nbytes, written.crc32) == path.read_bytes()
+    with pytest.raises(CorruptCheckpointError, match="is corrupted"):
+        durable.verify_torch_zip(path, written.nbytes, written.crc32 ^ 1)
+
+
 def test_missing_sealed_file_is_named(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="missing"):
         durable.load_torch(tmp_path / "nothing.pt")

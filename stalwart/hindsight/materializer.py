@@ -224,14 +224,15 @@ def python_slowdown(work: Callable[[], Any]) -> tuple[float, float]:
 
 
 def _probe_write(obj: Any, path: Path) -> None:
-    """A checkpoint write's CPU work (torch's serialization by name, the CRC-32 read back)
+    """A checkpoint write's CPU work (torch's serialization by name, the zip's tail read back)
     without its fsyncs: a probe measures CPU time, and the disk's flush, which takes none, only
     made the training thread wait longer for the probe (on the CPU machine, 60-200 ms of a
     probe's 150-300 ms)."""
     temp = durable.temp_path_for(path)  # a name torch accepts (".name" is not one)
     try:
         torch.save(obj, os.fspath(temp))
-        durable.checksum(temp)
+        with open(temp, "rb") as handle:
+            durable.zip_tail_checksum(handle)
     finally:
         temp.unlink(missing_ok=True)
 
