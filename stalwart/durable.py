@@ -158,12 +158,6 @@ def _replace_atomically(
     return WrittenFile(str(final), nbytes, crc32, time.perf_counter() - start)
 
 
-def checksum(path: str | os.PathLike) -> tuple[int, int]:
-    """Size and CRC-32 of the file at ``path``, as :func:`save_torch` reads them back."""
-    with open(path, "rb") as handle:
-        return _checksum(handle)
-
-
 def _checksum(handle: BinaryIO, chunk: int = 4 << 20) -> tuple[int, int]:
     """Size and CRC-32 of an open file from its start, read in chunks (neither the read nor
     ``zlib.crc32`` of a large chunk holds the interpreter lock)."""
