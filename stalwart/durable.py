@@ -181,8 +181,14 @@ def write_json(path: str | os.PathLike, data: Any) -> WrittenFile:
     return write_atomic(path, json.dumps(data).encode())
 
 
-def _missing(path: Path) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{path} is missing; use an earlier file or start over.")
+def _read_whole(path: Path) -> bytes:
+    """The file's bytes; a missing file is a :class:`CorruptCheckpointError` that names it."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"{path} is missing; use an earlier file or start over."
+        ) from None
 
 
 def verify_file(path: str | os.PathLike, nbytes: int, crc32: int) -> bytes:
@@ -192,10 +198,7 @@ def verify_file(path: str | os.PathLike, nbytes: int, crc32: int) -> bytes:
         CorruptCheckpointError: the file is missing, truncated or changed.
     """
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise _missing(path) from None
+    data = _read_whole(path)
     if len(data) != nbytes or zlib.crc32(data) != crc32:
         raise CorruptCheckpointError(
             f"{path} is corrupted: expected {nbytes} bytes with CRC-32 {crc32:#010x}, found "
@@ -213,10 +216,7 @@ def read_sealed(path: str | os.PathLike) -> bytes:
             :func:`write_atomic`), or its size or CRC-32 does not match the seal.
     """
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise _missing(path) from None
+    data = _read_whole(path)
     if len(data) < _SEAL.size:
         raise CorruptCheckpointError(f"{path} is torn: {len(data)} bytes, shorter than its seal.")
     nbytes, crc, magic = _SEAL.unpack_from(data, len(data) - _SEAL.size)
@@ -314,10 +314,7 @@ def verify_torch_zip(path: str | os.PathLike, nbytes: int, crc32: int) -> bytes:
         CorruptCheckpointError: the file is missing, truncated or changed.
     """
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise _missing(path) from None
+    data = _read_whole(path)
     found = "not a zip archive"
     if len(data) == nbytes:
         try:
