@@ -8,10 +8,9 @@ temp file a killed writer leaves behind is never read as data.
 A reader learns what the file should be in one of two ways:
 
 - from an index the writer updated with the :class:`WrittenFile` it got back (hindsight keeps
-  size and CRC-32 in its SQLite store), checked by :func:`verify_file`, or for a ``torch.save``
-  archive written by :func:`save_torch_zip` by :func:`verify_torch_zip` (the CRC-32 then vouches
-  for the zip's own per-record CRC-32s); the file itself stays a plain ``torch.save`` archive
-  that ``torch.load`` and Lightning's ``ckpt_path=`` read;
+  size and CRC-32 in its SQLite store), checked by :func:`verify_file` (for a ``torch.save``
+  archive the CRC-32 vouches for the zip's own per-record CRC-32s); the file itself stays a
+  plain ``torch.save`` archive that ``torch.load`` and Lightning's ``ckpt_path=`` read;
 - from a *seal*, a 16-byte trailer (payload size, CRC-32, magic) appended by
   ``write_atomic(..., seal=True)`` and checked by :func:`read_sealed`, for files nothing else
   indexes (the parameter server's checkpoint, the pipeline's stage files).
@@ -192,20 +191,40 @@ def _read_whole(path: Path) -> bytes:
 
 
 def verify_file(path: str | os.PathLike, nbytes: int, crc32: int) -> bytes:
-    """Read ``path`` whole and check it against the size and CRC-32 its writer recorded.
+    """Read ``path`` whole and check it against the size and CRC-32 its writer recorded: for a
+    zip archive (``torch.save``'s, as :func:`save_torch` indexes it), the CRC-32 of its central
+    directory and tail, then each record against the CRC-32 the directory holds for it (one pass,
+    as a CRC-32 of the whole file would be); for any other file, or an index row that kept the
+    CRC-32 of the whole file (hindsight's before 2026-11-28), that CRC-32.
 
     Raises:
         CorruptCheckpointError: the file is missing, truncated or changed.
     """
     path = Path(path)
     data = _read_whole(path)
-    if len(data) != nbytes or zlib.crc32(data) != crc32:
-        raise CorruptCheckpointError(
-            f"{path} is corrupted: expected {nbytes} bytes with CRC-32 {crc32:#010x}, found "
-            f"{len(data)} bytes with CRC-32 {zlib.crc32(data):#010x}. It was changed or "
-            "truncated after it was written; use an earlier file."
-        )
-    return data
+    if len(data) != nbytes:
+        found = f"{len(data)} bytes"
+    else:
+        found = _zip_mismatch(data, crc32)
+        if found is None or zlib.crc32(data) == crc32:
+            return data
+    raise CorruptCheckpointError(
+        f"{path} is corrupted: expected {nbytes} bytes whose CRC-32 checks give {crc32:#010x}, "
+        f"found {found}. It was changed or truncated after it was written; use an earlier file."
+    )
+
+
+def _zip_mismatch(data: bytes, crc32: int) -> str | None:
+    """None if ``data`` is a zip whose directory and tail have CRC-32 ``crc32`` and whose records
+    match their CRC-32s; else what does not match."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            if zlib.crc32(memoryview(data)[archive.start_dir :]) != crc32:
+                return "a CRC-32 that does not match"
+            bad = archive.testzip()  # every record against its CRC-32
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        return f"a broken zip archive ({exc})"
+    return None if bad is None else f"record {bad} not matching its CRC-32"
 
 
 def read_sealed(path: str | os.PathLike) -> bytes:
@@ -251,42 +270,29 @@ def save_torch(obj: Any, path: str | os.PathLike, *, seal: bool = True) -> Writt
     """``torch.save`` ``obj`` to ``path`` atomically and durably, as :func:`write_atomic` writes
     (sealed by default).
 
-    torch writes the temp file by its name, and the CRC-32 is then read back from the page
-    cache. Given a Python file object instead, torch's writer takes the interpreter lock for
-    every record it writes, which a training loop on another thread waits for: a writer
-    thread's Lightning checkpoint of 1-100 MB took 2-3x as long from such a loop that way
-    (``benchmarks/record_overhead.py --write-path``).
+    torch writes the temp file by its name. Given a Python file object instead, torch's writer
+    takes the interpreter lock for every record it writes, which a training loop on another
+    thread waits for: a writer thread's Lightning checkpoint of 1-100 MB took 2-3x as long from
+    such a loop that way (``benchmarks/record_overhead.py --write-path``).
+
+    A seal needs the CRC-32 of the whole payload, read back from the page cache. Unsealed, the
+    returned ``crc32`` is that of the zip's central directory and tail (:func:`zip_tail_checksum`),
+    which hold torch's CRC-32 of every record, computed as it wrote them; :func:`verify_file`
+    checks both. Reading the whole file back would be a second pass over the state: 0.25 s of the
+    ~0.6 s of CPU a 500 MB checkpoint's write takes here.
     """
 
     def write(temp: Path) -> tuple[int, int]:
         torch.save(obj, os.fspath(temp))
         with open(temp, "r+b") as handle:
-            nbytes, crc32 = _checksum(handle)
-            if seal:
+            if not seal:
+                nbytes, crc32 = zip_tail_checksum(handle)
+            else:
+                nbytes, crc32 = _checksum(handle)
                 handle.write(_SEAL.pack(nbytes, crc32, _SEAL_MAGIC))
-            handle.flush()
+                handle.flush()
             os.fsync(handle.fileno())
         return nbytes, crc32
-
-    return _replace_atomically(path, write)
-
-
-def save_torch_zip(obj: Any, path: str | os.PathLike) -> WrittenFile:
-    """``torch.save`` ``obj`` to ``path`` atomically and durably, without reading it back.
-
-    torch's archive is a zip that holds a CRC-32 of every record, computed as torch writes it.
-    The returned ``crc32`` covers the zip's central directory (which holds those CRC-32s) and
-    what follows it, a small tail read back; :func:`verify_torch_zip` checks both. A CRC-32 of the
-    whole file read back (:func:`save_torch`) would be a second pass over the state: 0.25 s of
-    the ~0.6 s of CPU a 500 MB checkpoint's write takes here.
-    """
-
-    def write(temp: Path) -> tuple[int, int]:
-        torch.save(obj, os.fspath(temp))
-        with open(temp, "rb") as handle:
-            checked = zip_tail_checksum(handle)
-            os.fsync(handle.fileno())
-        return checked
 
     return _replace_atomically(path, write)
 
@@ -302,40 +308,6 @@ def zip_tail_checksum(handle: BinaryIO) -> tuple[int, int]:
     nbytes = handle.seek(0, os.SEEK_END)
     handle.seek(start)
     return nbytes, zlib.crc32(handle.read())
-
-
-def verify_torch_zip(path: str | os.PathLike, nbytes: int, crc32: int) -> bytes:
-    """Read ``path`` whole and check it against what :func:`save_torch_zip` returned: its size,
-    the CRC-32 of its central directory and tail, and each record against the CRC-32 the
-    directory holds for it. A file indexed with the CRC-32 of all its bytes (as hindsight's
-    checkpoints were before) is checked that way.
-
-    Raises:
-        CorruptCheckpointError: the file is missing, truncated or changed.
-    """
-    path = Path(path)
-    data = _read_whole(path)
-    found = "not a zip archive"
-    if len(data) == nbytes:
-        try:
-            with zipfile.ZipFile(io.BytesIO(data)) as archive:
-                if zlib.crc32(memoryview(data)[archive.start_dir :]) == crc32:
-                    bad = archive.testzip()  # every record against its CRC-32
-                    if bad is None:
-                        return data
-                    found = f"record {bad} does not match its CRC-32"
-                else:
-                    found = "its zip directory does not match"
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
-            found = f"a broken zip archive ({exc})"
-        if zlib.crc32(data) == crc32:  # indexed with the CRC-32 of the whole file
-            return data
-    else:
-        found = f"{len(data)} bytes"
-    raise CorruptCheckpointError(
-        f"{path} is corrupted: expected {nbytes} bytes whose CRC-32 checks give {crc32:#010x}, "
-        f"found {found}. It was changed or truncated after it was written; use an earlier file."
-    )
 
 
 def load_torch(

@@ -72,8 +72,8 @@ def _record_offset(data: bytes, tensor: torch.Tensor) -> int:
 def test_a_torch_zip_is_verified_by_its_own_record_crcs_and_its_directory(tmp_path, damage):
     path = tmp_path / "epoch=0001.ckpt"
     weights = torch.randn(4096)
-    written = durable.save_torch_zip({"w": weights, "step": 3}, path)
-    data = durable.verify_torch_zip(path, written.nbytes, written.crc32)
+    written = durable.save_torch({"w": weights, "step": 3}, path, seal=False)
+    data = durable.verify_file(path, written.nbytes, written.crc32)
     assert data == path.read_bytes() and written.nbytes == len(data)
     assert torch.equal(torch.load(path, weights_only=True)["w"], weights)
     assert [p.name for p in tmp_path.iterdir()] == ["epoch=0001.ckpt"]  # no temp left
@@ -88,18 +88,20 @@ def test_a_torch_zip_is_verified_by_its_own_record_crcs_and_its_directory(tmp_pa
         broken += b"\0"
     path.write_bytes(bytes(broken))
     with pytest.raises(CorruptCheckpointError, match="is corrupted"):
-        durable.verify_torch_zip(path, written.nbytes, written.crc32)
+        durable.verify_file(path, written.nbytes, written.crc32)
     with pytest.raises(CorruptCheckpointError, match="missing"):
-        durable.verify_torch_zip(tmp_path / "gone.ckpt", written.nbytes, written.crc32)
+        durable.verify_file(tmp_path / "gone.ckpt", written.nbytes, written.crc32)
 
 
 def test_a_torch_zip_indexed_with_the_crc_of_all_its_bytes_still_verifies(tmp_path):
     """Hindsight's index rows written before kept the CRC-32 of the whole file."""
     path = tmp_path / "old.ckpt"
-    written = durable.save_torch({"w": torch.ones(100)}, path, seal=False)
-    assert durable.verify_torch_zip(path, written.nbytes, written.crc32) == path.read_bytes()
+    durable.save_torch({"w": torch.ones(100)}, path, seal=False)
+    data = path.read_bytes()
+    nbytes, crc32 = len(data), zlib.crc32(data)  # the row as it was written before
+    assert durable.verify_file(path, nbytes, crc32) == data
     with pytest.raises(CorruptCheckpointError, match="is corrupted"):
-        durable.verify_torch_zip(path, written.nbytes, written.crc32 ^ 1)
+        durable.verify_file(path, nbytes, crc32 ^ 1)
 
 
 def test_missing_sealed_file_is_named(tmp_path):

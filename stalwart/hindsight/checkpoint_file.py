@@ -22,7 +22,7 @@ from stalwart.errors import CorruptCheckpointError
 
 def write_checkpoint(obj: Any, path: str | os.PathLike) -> durable.WrittenFile:
     """``torch.save`` ``obj`` to ``path`` atomically and durably; keep the result in the index."""
-    return durable.save_torch_zip(obj, path)
+    return durable.save_torch(obj, path, seal=False)
 
 
 def verify_checkpoint(path: str | os.PathLike, nbytes: int, crc32: int) -> bytes:
@@ -38,7 +38,7 @@ def verify_checkpoint(path: str | os.PathLike, nbytes: int, crc32: int) -> bytes
             "replay from an earlier checkpoint or re-record the run."
         )
     try:
-        return durable.verify_torch_zip(path, nbytes, crc32)
+        return durable.verify_file(path, nbytes, crc32)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(
             f"checkpoint {exc} To replay or resume, use an earlier checkpoint of the run."
