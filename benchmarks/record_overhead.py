@@ -52,7 +52,10 @@ model faulted 1.8 million pages a plain fit and 38 thousand a recorded one (the 
 keep the heap from trimming), so the plain fit ran 22-32% slower than the recorded one beside it;
 pinned, the two compare the record's own cost. ``--matrix --accelerator gpu`` trains the matrix's
 models on a CUDA device (the record's writers run on the host either way; docs/gpu.md has what
-one H100 gave).
+one H100 gave). ``--matrix --floor`` adds a second plain fit to every round (an A/A comparison):
+its ratio to the first is what this machine's wall clock reads as overhead when nothing is
+recorded, side by side with the record's; the table also gives a distribution-free 95% interval of
+each cell's median (none for fewer than 6 pairs) and ``matrix.json`` keeps every fit's seconds.
 
 ``--write-path``: only what one background checkpoint write of each ``--sizes`` MB takes from a
 Python loop on the main thread, torch writing into a Python file object (as stalwart did) against
@@ -110,6 +113,7 @@ from stalwart.hindsight.materializer import (  # noqa: E402
 EPSILON = 1 / 15
 MB = 1e6
 VARIANTS = ("plain", "hindsight", "modelckpt")
+PLAIN_AGAIN = "plain again"  # the matrix's --floor: a second plain fit, the A/A comparison
 
 
 # -- workloads ----------------------------------------------------------------------------------
@@ -220,6 +224,19 @@ def source_revision() -> str:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def median_interval(values: list[float], coverage: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free interval for the median (order statistics: the median lies below
+    the k-th smallest of n values with a binomial chance), or None where n is too small for
+    ``coverage`` (e.g. 4 pairs: even min..max covers only 87.5%)."""
+    ordered, n = sorted(values), len(values)
+    below = 0.0
+    for k in range(n // 2 + 1):  # the largest k with P(Binomial(n, 1/2) < k) <= (1 - coverage) / 2
+        if below + math.comb(n, k) / 2**n > (1 - coverage) / 2:
+            return (ordered[k - 1], ordered[n - k]) if k else None
+        below += math.comb(n, k) / 2**n
+    return None
 
 
 def rotated(items: tuple[str, ...], rep: int) -> list[str]:
@@ -364,7 +381,7 @@ def fit_once(workload: Workload, variant: str) -> FitResult:
     with tempfile.TemporaryDirectory(prefix=f"stalwart-bench-{variant}-") as tmp:
         tmpdir = Path(tmp)
         clock = Clock()
-        if variant == "plain":
+        if variant in ("plain", PLAIN_AGAIN):
             fit_trainer = trainer(workload.epochs, [clock])
         elif variant == "hindsight":
             materializer = ForkMaterializer()  # the default, kept to read the path it took
@@ -857,7 +874,8 @@ def matrix(args: argparse.Namespace) -> None:
                 key = f"{size:g}MB/{length:g}s/{n_threads}t"
                 if key in done:
                     continue
-                pair = 2 * (args.epochs * length * 1.1 + 2)  # seconds, one plain + recorded
+                fits = 3 if args.floor else 2  # plain + recorded (+ plain again)
+                pair = fits * (args.epochs * length * 1.1 + 2)  # seconds, one of each
                 # Short cells are cheap and as noisy as long ones (pairs range over +-5 points
                 # here): more pairs where they fit the per-cell time, --reps at least.
                 reps = max(args.reps, min(MAX_REPS, int(args.cell_seconds / pair)))
@@ -868,21 +886,35 @@ def matrix(args: argparse.Namespace) -> None:
                     done[key] = {"skipped": why}
                     print(f"{key}: skipped ({why})", flush=True)
                 else:
-                    done[key] = matrix_cell(workload, reps, fresh=args.process == "fresh")
+                    done[key] = matrix_cell(
+                        workload, reps, fresh=args.process == "fresh", floor=args.floor
+                    )
                     print(f"{key}: {done[key]}", flush=True)
                 results_path.write_text(json.dumps(done, indent=1))
     print_matrix(done)
 
 
-def matrix_cell(workload: Workload, reps: int, fresh: bool = False) -> dict[str, Any]:
+def matrix_cell(
+    workload: Workload, reps: int, fresh: bool = False, floor: bool = False
+) -> dict[str, Any]:
+    """``reps`` rounds of plain and recorded fits in rotating order; with ``floor`` a second
+    plain fit joins each round, and the two plain fits' ratio is what the wall clock of this
+    machine reads as overhead when there is none (an A/A comparison, measured side by side)."""
     fit = fit_in_fresh_process if fresh else fit_once
     if not fresh:
         fit_once(replace(workload, epochs=2), "plain")  # warm-up
-    plain, recorded = [], []
+    variants = ("plain", "hindsight", PLAIN_AGAIN) if floor else ("plain", "hindsight")
+    fits: dict[str, list[FitResult]] = {v: [] for v in variants}
     for rep in range(reps):
-        for variant in rotated(("plain", "hindsight"), rep):
-            (plain if variant == "plain" else recorded).append(fit(workload, variant))
+        for variant in rotated(variants, rep):
+            fits[variant].append(fit(workload, variant))
+    plain, recorded = fits["plain"], fits["hindsight"]
     ratios = [r.seconds / p.seconds - 1 for p, r in zip(plain, recorded, strict=True)]
+    floors = {}
+    if floor:
+        again = [a.seconds / p.seconds - 1 for p, a in zip(plain, fits[PLAIN_AGAIN], strict=True)]
+        floors = {"floor": median(again), "floor_min": min(again), "floor_max": max(again),
+                  "floor_ratios": again}  # fmt: skip
     return {
         "epoch_s": median([p.seconds for p in plain]) / workload.epochs,
         "state_mb": median([r.ckpt_bytes for r in recorded]) / MB,
@@ -891,6 +923,8 @@ def matrix_cell(workload: Workload, reps: int, fresh: bool = False) -> dict[str,
         "wall": median(ratios),
         "wall_min": min(ratios),
         "wall_max": max(ratios),
+        "ratios": ratios,  # per pair, for intervals and pooling over cells
+        "seconds": {variant: [f.seconds for f in runs] for variant, runs in fits.items()},
         "policy": median([r.policy_overhead for r in recorded]),
         "checkpoints": median([r.checkpoints for r in recorded]),
         "max_gap": max(r.max_gap for r in recorded),
@@ -900,14 +934,20 @@ def matrix_cell(workload: Workload, reps: int, fresh: bool = False) -> dict[str,
         "copies": median([r.copies for r in recorded]),
         "faults_plain": median([p.faults for p in plain]),
         "faults_recorded": median([r.faults for r in recorded]),
+        **floors,
     }
+
+
+def interval_text(ratios: list[float]) -> str:
+    interval = median_interval(ratios)
+    return "-" if interval is None else f"{interval[0]:+.1%}..{interval[1]:+.1%}"
 
 
 def print_matrix(done: dict[str, Any]) -> None:
     rows, measured = [], []
     for key, cell in done.items():
         if "skipped" in cell:
-            rows.append([key, "skipped: " + cell["skipped"], *[""] * 8])
+            rows.append([key, "skipped: " + cell["skipped"], *[""] * 10])
             continue
         measured.append(cell)
         gap_ok = cell["gap_bound"] == 0 or cell["max_gap"] <= cell["gap_bound"]
@@ -916,6 +956,9 @@ def print_matrix(done: dict[str, Any]) -> None:
             f"{cell['state_mb']:.1f} MB, {cell['epoch_s']:.2f} s/epoch",
             str(cell.get("pairs", "")),
             f"{cell['wall']:+.1%} ({cell['wall_min']:+.1%}..{cell['wall_max']:+.1%})",
+            f"{cell['floor']:+.1%} ({cell['floor_min']:+.1%}..{cell['floor_max']:+.1%})"
+            if "floor" in cell else "-",
+            interval_text(cell.get("ratios", [])),
             f"{cell['policy']:.1%}",
             f"{abs(cell['wall'] - cell['policy']) * 100:.1f}",
             f"{cell['checkpoints']:.0f}" + (" (fork)" if cell.get("forks") else ""),
@@ -925,7 +968,8 @@ def print_matrix(done: dict[str, Any]) -> None:
             "k",
         ])  # fmt: skip
     print("\n== Matrix: wall-clock overhead of HindsightCallback (median of paired ratios)")
-    print(table(["cell", "measured workload", "pairs", "wall clock", "policy", "|diff| pp", "ckpts",
+    print(table(["cell", "measured workload", "pairs", "wall clock", "floor: plain / plain",
+                 "wall clock's median, 95% CI", "policy", "|diff| pp", "ckpts",
                  "max gap <= bound", "<= eps", "page faults plain / rec"], rows))  # fmt: skip
     if measured:
         walls = [c["wall"] for c in measured]
@@ -934,6 +978,11 @@ def print_matrix(done: dict[str, Any]) -> None:
               f"{len(walls)}; median over cells {statistics.median(walls):+.2%} (target <= 2%); "
               f"policy within 2 pp of the wall clock in {sum(d <= 0.02 for d in diffs)} of "
               f"{len(diffs)} cells")  # fmt: skip
+        floors = [c["floor"] for c in measured if "floor" in c]
+        if floors:
+            print(f"the floor (a second plain fit against the first, nothing recorded): median "
+                  f"over cells {statistics.median(floors):+.2%}, cells {min(floors):+.2%}.."
+                  f"{max(floors):+.2%}")  # fmt: skip
 
 
 # -- Composer (--composer) ----------------------------------------------------------------------
@@ -1037,6 +1086,11 @@ def main(argv: list[str] | None = None) -> None:
         "--malloc", choices=tuple(MALLOC), default="default",
         help="matrix, fresh processes: glibc's heap as it comes, or with its trim and mmap "
         "thresholds pinned (no trimming of freed buffers) in plain and recorded fits alike",
+    )  # fmt: skip
+    parser.add_argument(
+        "--floor", action="store_true",
+        help="matrix: a second plain fit in every round, interleaved; its ratio to the first "
+        "is what this machine's wall clock reads as overhead when nothing is recorded",
     )  # fmt: skip
     parser.add_argument("--one-fit", help=argparse.SUPPRESS)  # fit_in_fresh_process's child
     parser.add_argument(
