@@ -55,7 +55,8 @@ models on a CUDA device (the record's writers run on the host either way; docs/g
 one H100 gave). ``--matrix --floor`` adds a second plain fit to every round (an A/A comparison):
 its ratio to the first is what this machine's wall clock reads as overhead when nothing is
 recorded, side by side with the record's; the table also gives a distribution-free 95% interval of
-each cell's median (none for fewer than 6 pairs) and ``matrix.json`` keeps every fit's seconds.
+each cell's median (none for fewer than 6 pairs) and, last, the median and interval of all
+cells' pairs pooled; ``matrix.json`` keeps every fit's seconds.
 
 ``--write-path``: only what one background checkpoint write of each ``--sizes`` MB takes from a
 Python loop on the main thread, torch writing into a Python file object (as stalwart did) against
@@ -983,6 +984,13 @@ def print_matrix(done: dict[str, Any]) -> None:
             print(f"the floor (a second plain fit against the first, nothing recorded): median "
                   f"over cells {statistics.median(floors):+.2%}, cells {min(floors):+.2%}.."
                   f"{max(floors):+.2%}")  # fmt: skip
+        # Every pair of every cell at once: a cell's few pairs cannot resolve a point or two.
+        pooled = [r for c in measured for r in c.get("ratios", [])]
+        pooled_floor = [r for c in measured for r in c.get("floor_ratios", [])]
+        for name, ratios in (("recorded / plain", pooled), ("floor", pooled_floor)):
+            if ratios:
+                print(f"pooled over cells, {name}: median {statistics.median(ratios):+.2%} of "
+                      f"{len(ratios)} pairs, 95% CI {interval_text(ratios)}")  # fmt: skip
 
 
 # -- Composer (--composer) ----------------------------------------------------------------------
