@@ -90,6 +90,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+from scipy.stats import quantile_test
 from torch.utils import _pytree as pytree
 from torch.utils.data import TensorDataset
 
@@ -228,16 +229,12 @@ def median(values: list[float]) -> float:
 
 
 def median_interval(values: list[float], coverage: float = 0.95) -> tuple[float, float] | None:
-    """A distribution-free interval for the median (order statistics: the median lies below
-    the k-th smallest of n values with a binomial chance), or None where n is too small for
-    ``coverage`` (e.g. 4 pairs: even min..max covers only 87.5%)."""
-    ordered, n = sorted(values), len(values)
-    below = 0.0
-    for k in range(n // 2 + 1):  # the largest k with P(Binomial(n, 1/2) < k) <= (1 - coverage) / 2
-        if below + math.comb(n, k) / 2**n > (1 - coverage) / 2:
-            return (ordered[k - 1], ordered[n - k]) if k else None
-        below += math.comb(n, k) / 2**n
-    return None
+    """A distribution-free interval for the median (scipy's binomial quantile test, installed
+    with scikit-learn), or None where there are too few values for ``coverage`` (e.g. 4 pairs:
+    even min..max covers only 87.5%)."""
+    test = quantile_test(values, q=statistics.median(values), p=0.5)
+    low, high = test.confidence_interval(coverage)
+    return None if math.isnan(low) else (float(low), float(high))
 
 
 def rotated(items: tuple[str, ...], rep: int) -> list[str]:
@@ -913,9 +910,8 @@ def matrix_cell(
     ratios = [r.seconds / p.seconds - 1 for p, r in zip(plain, recorded, strict=True)]
     floors = {}
     if floor:
-        again = [a.seconds / p.seconds - 1 for p, a in zip(plain, fits[PLAIN_AGAIN], strict=True)]
-        floors = {"floor": median(again), "floor_min": min(again), "floor_max": max(again),
-                  "floor_ratios": again}  # fmt: skip
+        again = zip(plain, fits[PLAIN_AGAIN], strict=True)
+        floors = {"floor_ratios": [a.seconds / p.seconds - 1 for p, a in again]}
     return {
         "epoch_s": median([p.seconds for p in plain]) / workload.epochs,
         "state_mb": median([r.ckpt_bytes for r in recorded]) / MB,
@@ -939,6 +935,12 @@ def matrix_cell(
     }
 
 
+def spread_text(ratios: list[float]) -> str:
+    if not ratios:
+        return "-"
+    return f"{median(ratios):+.1%} ({min(ratios):+.1%}..{max(ratios):+.1%})"
+
+
 def interval_text(ratios: list[float]) -> str:
     interval = median_interval(ratios)
     return "-" if interval is None else f"{interval[0]:+.1%}..{interval[1]:+.1%}"
@@ -957,8 +959,7 @@ def print_matrix(done: dict[str, Any]) -> None:
             f"{cell['state_mb']:.1f} MB, {cell['epoch_s']:.2f} s/epoch",
             str(cell.get("pairs", "")),
             f"{cell['wall']:+.1%} ({cell['wall_min']:+.1%}..{cell['wall_max']:+.1%})",
-            f"{cell['floor']:+.1%} ({cell['floor_min']:+.1%}..{cell['floor_max']:+.1%})"
-            if "floor" in cell else "-",
+            spread_text(cell.get("floor_ratios", [])),
             interval_text(cell.get("ratios", [])),
             f"{cell['policy']:.1%}",
             f"{abs(cell['wall'] - cell['policy']) * 100:.1f}",
@@ -979,7 +980,7 @@ def print_matrix(done: dict[str, Any]) -> None:
               f"{len(walls)}; median over cells {statistics.median(walls):+.2%} (target <= 2%); "
               f"policy within 2 pp of the wall clock in {sum(d <= 0.02 for d in diffs)} of "
               f"{len(diffs)} cells")  # fmt: skip
-        floors = [c["floor"] for c in measured if "floor" in c]
+        floors = [median(c["floor_ratios"]) for c in measured if "floor_ratios" in c]
         if floors:
             print(f"the floor (a second plain fit against the first, nothing recorded): median "
                   f"over cells {statistics.median(floors):+.2%}, cells {min(floors):+.2%}.."
