@@ -116,6 +116,7 @@ EPSILON = 1 / 15
 MB = 1e6
 VARIANTS = ("plain", "hindsight", "modelckpt")
 PLAIN_AGAIN = "plain again"  # the matrix's --floor: a second plain fit, the A/A comparison
+FIT_PARTS = ("train", "gaps", "validation", "rest", "end")  # a fit's seconds (FitResult)
 
 
 # -- workloads ----------------------------------------------------------------------------------
@@ -298,20 +299,28 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 class Clock(Callback):
-    """Where a fit's time goes: training batches, validation, and the end of fit (after every
-    callback's ``on_train_end`` starts, e.g. waiting for background writers). Listed first, in
-    every variant alike; it costs two clock reads per batch."""
+    """Where a fit's time goes: training batches, the gaps between an epoch's batches (loading
+    the next, the batch hooks of the callbacks listed after this one), validation, and the end of
+    fit (after every callback's ``on_train_end`` starts, e.g. waiting for background writers).
+    Listed first, in every variant alike; it costs two clock reads per batch."""
 
     def __init__(self) -> None:
-        self.train = self.validation = 0.0
+        self.train = self.gaps = self.validation = 0.0
         self.train_end_at = 0.0
         self._started = 0.0
+        self._last_end: float | None = None
+
+    def on_train_epoch_start(self, *args: Any) -> None:
+        self._last_end = None
 
     def on_train_batch_start(self, *args: Any) -> None:
         self._started = time.perf_counter()
+        if self._last_end is not None:
+            self.gaps += self._started - self._last_end
 
     def on_train_batch_end(self, *args: Any) -> None:
-        self.train += time.perf_counter() - self._started
+        self._last_end = time.perf_counter()
+        self.train += self._last_end - self._started
 
     def on_validation_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._started = time.perf_counter()
@@ -357,6 +366,10 @@ class FitResult:
     train: float = 0.0
     validation: float = 0.0
     end: float = 0.0
+    gaps: float = 0.0  # between the batches of an epoch
+    #: The rest of the fit, outside the epochs' batch loops: its start (setup, sanity check, the
+    #: first batch's data) and the epochs' ends (hooks, checkpoints, the next epoch's start).
+    rest: float = 0.0
     other_cores: float = 0.0
     checkpoints: int = 0
     initial: int = 0
@@ -403,9 +416,10 @@ def fit_once(workload: Workload, variant: str) -> FitResult:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         other_cores = foreign.cores()
         assert_children_reaped()
-        result = FitResult(
-            end - start, clock.train, clock.validation, end - clock.train_end_at, other_cores
-        )
+        result = FitResult(end - start, clock.train, clock.validation, end - clock.train_end_at)
+        result.other_cores = other_cores
+        result.gaps = clock.gaps
+        result.rest = result.seconds - sum(getattr(result, p) for p in FIT_PARTS if p != "rest")
         result.faults = faults
         if variant == "hindsight":
             store = stalwart.hindsight.open(tmpdir)
@@ -908,6 +922,14 @@ def matrix_cell(
             fits[variant].append(fit(workload, variant))
     plain, recorded = fits["plain"], fits["hindsight"]
     ratios = [r.seconds / p.seconds - 1 for p, r in zip(plain, recorded, strict=True)]
+    # Where the difference lands, per pair, in seconds: the batches and the gaps between them
+    # carry the machine's noise (and what background writes take from them); the fit outside the
+    # batch loops barely varies between identical fits (its start, the epochs' ends, its end), so
+    # the record's cost there is read from outside to a few milliseconds.
+    parts = {
+        part: [getattr(r, part) - getattr(p, part) for p, r in zip(plain, recorded, strict=True)]
+        for part in FIT_PARTS
+    }
     floors = {}
     if floor:
         again = zip(plain, fits[PLAIN_AGAIN], strict=True)
@@ -922,6 +944,7 @@ def matrix_cell(
         "wall_max": max(ratios),
         "ratios": ratios,  # per pair, for intervals and pooling over cells
         "seconds": {variant: [f.seconds for f in runs] for variant, runs in fits.items()},
+        "parts": parts,  # recorded - plain, seconds per pair, by FIT_PARTS
         "policy": median([r.policy_overhead for r in recorded]),
         "checkpoints": median([r.checkpoints for r in recorded]),
         "max_gap": max(r.max_gap for r in recorded),
@@ -985,6 +1008,7 @@ def print_matrix(done: dict[str, Any]) -> None:
             print(f"the floor (a second plain fit against the first, nothing recorded): median "
                   f"over cells {statistics.median(floors):+.2%}, cells {min(floors):+.2%}.."
                   f"{max(floors):+.2%}")  # fmt: skip
+        print_parts({key: cell for key, cell in done.items() if "skipped" not in cell})
         # Every pair of every cell at once: a cell's few pairs cannot resolve a point or two.
         pooled = [r for c in measured for r in c.get("ratios", [])]
         pooled_floor = [r for c in measured for r in c.get("floor_ratios", [])]
@@ -992,6 +1016,25 @@ def print_matrix(done: dict[str, Any]) -> None:
             if ratios:
                 print(f"pooled over cells, {name}: median {statistics.median(ratios):+.2%} of "
                       f"{len(ratios)} pairs, 95% CI {interval_text(ratios)}")  # fmt: skip
+
+
+def print_parts(cells: dict[str, dict[str, Any]]) -> None:
+    """Where the recorded fits' extra seconds land: each part's median paired difference, as a
+    share of the plain fit, with its range over pairs."""
+    rows = []
+    for key, cell in cells.items():
+        if "parts" not in cell:
+            continue
+        plain = cell["plain_s"]
+        shares = {part: [d / plain for d in cell["parts"][part]] for part in FIT_PARTS}
+        outside = [rest + end for rest, end in zip(shares["rest"], shares["end"], strict=True)]
+        rows.append([key, *(spread_text(shares[p]) for p in FIT_PARTS),
+                     spread_text(outside), f"{cell['policy']:.1%}"])  # fmt: skip
+    if rows:
+        print("\n== Where it lands: recorded - plain per pair, as a share of the plain fit")
+        print(table(["cell", "training batches", "between batches", "validation",
+                     "start and epoch ends", "end of fit", "outside the batch loops", "figure"],
+                    rows))  # fmt: skip
 
 
 # -- Composer (--composer) ----------------------------------------------------------------------
