@@ -56,7 +56,10 @@ one H100 gave). ``--matrix --floor`` adds a second plain fit to every round (an 
 its ratio to the first is what this machine's wall clock reads as overhead when nothing is
 recorded, side by side with the record's; the table also gives a distribution-free 95% interval of
 each cell's median (none for fewer than 6 pairs) and, last, the median and interval of all
-cells' pairs pooled; ``matrix.json`` keeps every fit's seconds.
+cells' pairs pooled; ``matrix.json`` keeps every fit's seconds. A second table says where each
+cell's difference lands (training batches, the gaps between them, validation, the start and the
+epochs' ends, the end of fit): the record's cost outside the batch loops, which identical fits
+repeat to a few milliseconds, beside its own figure, apart from the batches, where the noise is.
 
 ``--write-path``: only what one background checkpoint write of each ``--sizes`` MB takes from a
 Python loop on the main thread, torch writing into a Python file object (as stalwart did) against
