@@ -370,9 +370,6 @@ class FitResult:
     validation: float = 0.0
     end: float = 0.0
     gaps: float = 0.0  # between the batches of an epoch
-    #: The rest of the fit, outside the epochs' batch loops: its start (setup, sanity check, the
-    #: first batch's data) and the epochs' ends (hooks, checkpoints, the next epoch's start).
-    rest: float = 0.0
     other_cores: float = 0.0
     checkpoints: int = 0
     initial: int = 0
@@ -387,6 +384,12 @@ class FitResult:
     faults: int = 0  # minor page faults of this process during fit (the C heap's churn)
     forks: int = 0  # checkpoints the materializer wrote from a forked child
     copies: int = 0  # ... and from a copy handed to its writer thread
+
+    @property
+    def rest(self) -> float:
+        """The fit outside the epochs' batch loops: its start (setup, sanity check, the first
+        batch's data) and the epochs' ends (hooks, checkpoints, the next epoch's start)."""
+        return self.seconds - self.train - self.gaps - self.validation - self.end
 
 
 def fit_once(workload: Workload, variant: str) -> FitResult:
@@ -419,10 +422,14 @@ def fit_once(workload: Workload, variant: str) -> FitResult:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         other_cores = foreign.cores()
         assert_children_reaped()
-        result = FitResult(end - start, clock.train, clock.validation, end - clock.train_end_at)
-        result.other_cores = other_cores
-        result.gaps = clock.gaps
-        result.rest = result.seconds - sum(getattr(result, p) for p in FIT_PARTS if p != "rest")
+        result = FitResult(
+            end - start,
+            clock.train,
+            clock.validation,
+            end - clock.train_end_at,
+            gaps=clock.gaps,
+            other_cores=other_cores,
+        )
         result.faults = faults
         if variant == "hindsight":
             store = stalwart.hindsight.open(tmpdir)
