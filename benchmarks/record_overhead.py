@@ -65,6 +65,11 @@ repeat to a few milliseconds, beside its own figure, apart from the batches, whe
 Python loop on the main thread, torch writing into a Python file object (as stalwart did) against
 torch writing the file by name (as ``stalwart.durable.save_torch`` does), interleaved.
 
+``--copy-path``: only what the writer thread's copy of a ``--sizes`` MB checkpoint costs the
+training thread: a fresh copy (freed once written; a CPU state's copies) against a copy into the
+buffers of the last one written (a CUDA state's copies, into its pinned memory), interleaved, with
+the page faults of each.
+
 ``--threads`` sets ``torch.set_num_threads`` for every variant (default 1, leaving the second core
 of a 2-core machine to background writers, as a GPU job leaves CPU cores idle).
 """
@@ -113,6 +118,7 @@ from stalwart.hindsight.materializer import (  # noqa: E402
     WriteJob,
     host_copy,
     python_slowdown,
+    refill_copy,
 )
 
 EPSILON = 1 / 15
@@ -880,6 +886,56 @@ def write_path_row(state_mb: float, reps: int) -> list[str]:
     ]  # fmt: skip
 
 
+def copy_path(sizes_mb: list[float], reps: int) -> None:
+    """What the writer thread's copy of a checkpoint costs the training thread, interleaved: a
+    fresh copy (allocated, then freed once written: a CPU state's copies) against a copy into
+    the buffers of the last one written (``refill_copy``: a CUDA state's copies, into pinned
+    memory), with the minor page faults each takes; CPU state, this process's heap as it comes.
+    Cheaper on the training thread is not cheaper for the fit: docs/hindsight.md has why a CPU
+    state's copies stay fresh."""
+    print(f"\n== Copy path: a checkpoint's copy for the writer thread ({reps} reps)")
+    rows = [copy_path_row(state_mb, reps) for state_mb in sizes_mb]
+    headers = ["checkpoint", "fresh copy ms (median, range)", "page faults",
+               "into the last copy ms", "page faults", "fresh / into the last"]  # fmt: skip
+    print(table(headers, rows))
+
+
+def copy_path_row(state_mb: float, reps: int) -> list[str]:
+    workload = Workload("", width_for(state_mb), 3, 32, train_size=64, repeats=1, epochs=1)
+    one_epoch = trainer(1)
+    one_epoch.fit(workload.model(), workload.data())
+    checkpoint = dump_checkpoint(one_epoch)
+    nbytes = sum(t.numel() * t.element_size() for t in state_tensors(checkpoint))
+    last = host_copy(checkpoint)  # the copy the writer thread wrote last
+    if refill_copy(last, checkpoint) is None:
+        raise RuntimeError("a Lightning checkpoint could not be copied into its own last copy")
+
+    def fresh() -> None:
+        copied = host_copy(checkpoint)
+        del copied  # written and dropped, as the writer thread did
+
+    ways = {"fresh": fresh, "into the last": lambda: refill_copy(last, checkpoint)}
+    seconds: dict[str, list[float]] = {name: [] for name in ways}
+    faults: dict[str, list[int]] = {name: [] for name in ways}
+    for rep in range(reps):
+        for name in rotated(tuple(ways), rep):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            start = time.perf_counter()
+            ways[name]()
+            seconds[name].append(time.perf_counter() - start)
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    ms = {
+        n: f"{median(v) * 1e3:.2f} ({min(v) * 1e3:.2f}..{max(v) * 1e3:.2f})"
+        for n, v in seconds.items()
+    }
+    ratios = [a / b for a, b in zip(seconds["fresh"], seconds["into the last"], strict=True)]
+    return [
+        f"{nbytes / MB:.1f} MB", ms["fresh"], f"{median(faults['fresh']):.0f}",
+        ms["into the last"], f"{median(faults['into the last']):.0f}",
+        f"{median(ratios):.2f}x ({min(ratios):.2f}..{max(ratios):.2f})",
+    ]  # fmt: skip
+
+
 def matrix(args: argparse.Namespace) -> None:
     """Plain vs recorded over state size x epoch length x torch threads, interleaved."""
     out = Path(args.out)
@@ -1165,6 +1221,11 @@ def main(argv: list[str] | None = None) -> None:
         "and its CPU: torch writing into a file object, by name with the CRC-32 read back, now",
     )  # fmt: skip
     parser.add_argument(
+        "--copy-path", action="store_true",
+        help="only what the writer thread's copy of a --sizes MB checkpoint costs the calling "
+        "thread: a fresh copy against a copy into the buffers of the last one written",
+    )  # fmt: skip
+    parser.add_argument(
         "--out", default="record_overhead_matrix", help="matrix: folder of matrix.json "
         "(cells already in it are not measured again: an interrupted run resumes)",
     )  # fmt: skip
@@ -1186,6 +1247,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.write_path:
         write_path([float(v) for v in args.sizes.split(",")], reps=args.reps * 10)
+        return
+    if args.copy_path:
+        copy_path([float(v) for v in args.sizes.split(",")], reps=args.reps * 10)
         return
     if args.matrix:
         ACCELERATOR["name"] = args.accelerator

@@ -93,14 +93,19 @@ def host_copy(obj: Any) -> Any:
     Tensors that share storage (tied weights, views) share it in the copy too, as with
     ``copy.deepcopy``, so the written file is the size the original would write.
     """
+    return _copy_to_host(obj)[0]
+
+
+def _copy_to_host(obj: Any) -> tuple[Any, bool]:
+    """:func:`host_copy`'s copy, and whether any of it came from CUDA tensors."""
     copier = _HostCopier()
     try:
         copied = copier.copy(obj)
     except RecursionError:  # a container that holds itself: deepcopy's memo handles cycles
-        return copy.deepcopy(host_snapshot(obj))
+        return copy.deepcopy(host_snapshot(obj)), False
     if copier.from_cuda:
         torch.cuda.synchronize()
-    return copied
+    return copied, copier.from_cuda
 
 
 #: Leaves a copy may share with the original: nothing can change them in place.
@@ -163,6 +168,129 @@ class _HostCopier:
             copied = self.storages[address] = storage.clone()
         view = torch.empty(0, dtype=tensor.dtype)
         return view.set_(copied, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+class _Mismatch(Exception):
+    """``obj`` does not have the structure of the copy being refilled."""
+
+
+def refill_copy(into: Any, obj: Any) -> Any | None:
+    """What :func:`host_copy` returns for ``obj``, written into the tensors of ``into``, an
+    earlier copy nothing uses any more; None where ``obj``'s structure differs from it (other
+    containers or keys, tensors of other shapes, dtypes or storage sharing, objects only
+    ``copy.deepcopy`` copies): then take a fresh copy.
+
+    The writer thread's copies of CUDA state go into the last one's pinned buffers: pinning
+    fresh host memory was most of a GPU checkpoint's cost (138 ms for 250 MB on an H100, the
+    copy itself 4.6 ms; docs/gpu.md). A CPU state's copies stay fresh: copies into the last
+    one's buffers took the training thread 2-3x less time at 10-100 MB, but made whole fits
+    no faster at 1 MB and slower at 100 MB (docs/hindsight.md).
+    """
+    refiller = _Refiller()
+    try:
+        refilled = refiller.fill(into, obj)
+    except (_Mismatch, RecursionError):  # (a container that holds itself: host_copy copes)
+        refilled = None
+    if refiller.from_cuda:  # (copies already queued into buffers about to be dropped, too)
+        torch.cuda.synchronize()
+    return refilled
+
+
+class _Refiller:
+    """A walk of an earlier copy and a new state side by side: containers rebuilt, immutable
+    leaves taken, plain tensors copied into the earlier copy's tensors. Where the two differ, a
+    part that holds only plain data (numbers, strings: a list of recent costs that grew, a key
+    the earlier copy lacked) is copied afresh; anything else is a mismatch, left to a fresh copy
+    of the whole."""
+
+    def __init__(self) -> None:
+        self.memo: dict[int, Any] = {}
+        self.storages: dict[int, int] = {}  # the state's storage address: the copy's
+        self.claimed: set[int] = set()  # the copy's storages already paired
+        self.from_cuda = False
+        self.fresh = _HostCopier()
+
+    def fill(self, into: Any, obj: Any) -> Any:
+        kind = type(obj)
+        if kind in _IMMUTABLE:
+            return obj
+        known = self.memo.get(id(obj))
+        if known is not None:
+            return known
+        try:
+            new = self._fill(into, obj, kind)
+        except _Mismatch:
+            if not _plain_data(obj):
+                raise
+            new = self.fresh.copy(obj)
+        self.memo[id(obj)] = new
+        return new
+
+    def _fill(self, into: Any, obj: Any, kind: type) -> Any:
+        if kind is not type(into):
+            raise _Mismatch
+        if kind is dict or kind is OrderedDict:
+            new: Any = kind(
+                (key, self.fill(into[key], value) if key in into else self._fresh(value))
+                for key, value in obj.items()
+            )
+            if kind is OrderedDict:  # a state_dict's _metadata, as _HostCopier keeps it
+                new.__dict__.update(self.fill(vars(into), vars(obj)))
+            return new
+        if kind is list or kind is tuple:
+            if len(obj) != len(into):
+                raise _Mismatch
+            return kind([self.fill(old, value) for old, value in zip(into, obj, strict=True)])
+        if kind is torch.Tensor and _plain_tensor(obj):
+            return self._tensor(into, obj)
+        raise _Mismatch
+
+    def _fresh(self, obj: Any) -> Any:
+        """A part the earlier copy has no counterpart of: copied afresh if it is plain data."""
+        if not _plain_data(obj):
+            raise _Mismatch
+        return self.fresh.copy(obj)
+
+    def _tensor(self, into: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        storage, target = tensor.untyped_storage(), into.untyped_storage()
+        if (
+            into.is_cuda
+            or into.shape != tensor.shape
+            or into.dtype != tensor.dtype
+            or into.stride() != tensor.stride()
+            or into.storage_offset() != tensor.storage_offset()
+            or target.nbytes() != storage.nbytes()
+            or (tensor.is_cuda and not into.is_pinned())
+        ):
+            raise _Mismatch
+        # Storage sharing must pair one to one: a copy whose tensors share storage where the
+        # state's do not would have one tensor's values overwrite another's.
+        paired = self.storages.get(storage.data_ptr())
+        if paired is None:
+            if target.data_ptr() in self.claimed:
+                raise _Mismatch
+            self.storages[storage.data_ptr()] = target.data_ptr()
+            self.claimed.add(target.data_ptr())
+            if tensor.is_cuda:  # (as checked above, it fills its storage, as the copy does)
+                self.from_cuda = True
+                into.copy_(tensor, non_blocking=True)
+            else:  # the whole storage, as host_copy clones it (bytes no view shows included)
+                target.copy_(storage)
+        elif paired != target.data_ptr():
+            raise _Mismatch
+        return into
+
+
+def _plain_data(obj: Any) -> bool:
+    """Immutable leaves in dicts, lists and tuples only: no tensor, nothing that could hold one."""
+    kind = type(obj)
+    if kind in _IMMUTABLE:
+        return True
+    if kind is dict or kind is OrderedDict:
+        return all(_plain_data(key) and _plain_data(value) for key, value in obj.items())
+    if kind is list or kind is tuple:
+        return all(_plain_data(value) for value in obj)
+    return False
 
 
 def _plain_tensor(tensor: torch.Tensor) -> bool:
@@ -309,7 +437,7 @@ class WriterThread:
     """
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[WriteJob | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[WriteJob, int, bool] | None] = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._pending = 0
         self.cpu_seconds = 0.0
@@ -321,12 +449,15 @@ class WriterThread:
         self._cpu_taken = 0.0
         self.failures: list[str] = []
         self._thread: threading.Thread | None = None
+        self._spare: Any = None  # the last kept job written, whose buffers the next copy reuses
 
     @property
     def pending(self) -> int:
         return self._pending
 
-    def put(self, job: WriteJob, nbytes: int) -> None:
+    def put(self, job: WriteJob, nbytes: int, keep: bool = False) -> None:
+        """Queue ``job`` (``nbytes`` of tensors); ``keep``: once written, its object is kept
+        for :meth:`take_spare` instead of being dropped."""
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._run, name="stalwart-checkpoint-writer", daemon=True
@@ -334,7 +465,15 @@ class WriterThread:
             self._thread.start()
         with self._idle:
             self._pending += 1
-        self._jobs.put((job, nbytes))
+        self._jobs.put((job, nbytes, keep))
+
+    def take_spare(self) -> Any:
+        """The object of the last job written with ``keep`` (None if taken, or none since):
+        nothing refers to it any more, so its tensors can take the next copy
+        (:func:`refill_copy`)."""
+        with self._idle:
+            spare, self._spare = self._spare, None
+        return spare
 
     def take_cpu(self) -> float:
         """CPU seconds of writes finished since the last call."""
@@ -353,16 +492,21 @@ class WriterThread:
             self._jobs.put(None)
             self._thread.join()
             self._thread = None
+        self._spare = None
 
     def _run(self) -> None:
         while (item := self._jobs.get()) is not None:
-            job, nbytes = item
+            job, nbytes, keep = item
             started = time.thread_time()
+            written = False
             try:
                 _run_job(job)
+                written = True
             except BaseException as exc:  # reported at close, like a failed child
                 self.failures.append(f"background writer failed ({exc!r}); not written: {job.path}")
             with self._idle:
+                if written and keep:
+                    self._spare = job.obj
                 used = time.thread_time() - started
                 self.cpu_seconds += used
                 if self.writes:
@@ -411,6 +555,7 @@ class ForkMaterializer(Materializer):
         self._writer = WriterThread()
         self.forks = 0
         self.copies = 0
+        self.refills = 0  # copies of CUDA state written into the last copy's pinned buffers
         # The share of a background write's CPU time the cost probe prices as slowing training:
         # all of it unless measured (prepare, where training runs on a GPU).
         self.contention = 1.0
@@ -539,9 +684,17 @@ class ForkMaterializer(Materializer):
         nbytes = tensor_bytes(job.obj)
         if self.small_bytes is None or nbytes < self.small_bytes:
             # Copies waiting for the thread hold memory: at most max_children of them, as for
-            # children (a submit beyond that waits, and the wait is charged).
+            # children (a submit beyond that waits, and the wait is charged); a CUDA state's
+            # last one written is kept for the next copy to reuse its pinned memory.
             self._writer.drain(below=self.max_children)
-            self._writer.put(WriteJob(host_copy(job.obj), job.path, job.on_written), nbytes)
+            spare = self._writer.take_spare()
+            copied = refill_copy(spare, job.obj) if spare is not None else None
+            if copied is None:
+                copied, from_cuda = _copy_to_host(job.obj)
+            else:
+                from_cuda = True
+                self.refills += 1
+            self._writer.put(WriteJob(copied, job.path, job.on_written), nbytes, keep=from_cuda)
             self.copies += 1
             # The write runs beside training; what it takes from training, the thread's CPU
             # time, is charged once measured (take_background_cost).

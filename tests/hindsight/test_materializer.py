@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -18,9 +19,11 @@ from stalwart.hindsight.materializer import (
     ForkMaterializer,
     InlineMaterializer,
     WriteJob,
+    WriterThread,
     host_copy,
     make_materializer,
     python_slowdown,
+    refill_copy,
 )
 
 MB = 1 << 20
@@ -113,6 +116,146 @@ def test_the_copy_handed_to_the_writer_is_independent_and_keeps_what_torch_save_
     assert all((tensor < 100).all() for tensor in copied["state_dict"].values())
     # Written, it holds the storages the original would (the tied one once).
     assert saved_storage_sizes(copied) == saved_storage_sizes(state) == [160, 40, 48, 8, 0, 0]
+
+
+def tied_state() -> dict:
+    module = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
+    module[1].weight = module[0].weight
+    flat = torch.arange(12.0)
+    return {
+        "state_dict": module.state_dict(),
+        "views": [flat[2:5], flat.view(3, 4)[:, 1]],
+        "scalars": (3, 0.5, "adam", None, torch.float32),
+        "empty": [torch.empty(0), torch.empty(0)],
+        "policy": {"recent_costs": [0.5, 0.25]},
+    }
+
+
+def data_ptrs(obj) -> list[int]:
+    leaves = torch.utils._pytree.tree_leaves(obj)
+    return [leaf.untyped_storage().data_ptr() for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def test_a_copy_written_into_an_earlier_copys_buffers_is_the_copy_host_copy_makes():
+    state = tied_state()
+    spare = host_copy(state)
+    with torch.no_grad():  # the next epoch's state: new values, the same structure
+        for tensor in [*state["state_dict"].values(), state["views"][1]]:
+            tensor.add_(1.0)
+    state["scalars"] = (4, 0.25, "adam", None, torch.float32)
+    # Plain data may differ: a list that grew, a key the earlier copy lacks.
+    state["policy"]["recent_costs"].append(0.125)
+    state["loop_end"] = {"batch": 7}
+    refilled = refill_copy(spare, state)
+    fresh = host_copy(state)
+    assert refilled is not None
+    assert data_ptrs(refilled) == data_ptrs(spare)  # no new buffers
+    assert refilled["scalars"] == fresh["scalars"]
+    assert refilled["policy"] == {"recent_costs": [0.5, 0.25, 0.125]}
+    assert refilled["loop_end"] == {"batch": 7}
+    assert refilled["policy"]["recent_costs"] is not state["policy"]["recent_costs"]
+    assert refilled["state_dict"]._metadata == state["state_dict"]._metadata
+    leaves = torch.utils._pytree.tree_leaves
+    for mine, theirs in zip(leaves(refilled), leaves(fresh), strict=True):
+        assert torch.equal(mine, theirs) if isinstance(mine, torch.Tensor) else mine == theirs
+
+    # The whole storage is refilled, as host_copy clones it, bytes no view shows included.
+    def whole(tensor):
+        return torch.empty(0).set_(tensor.untyped_storage(), 0, (12,), (1,))
+
+    assert torch.equal(whole(refilled["views"][0]), whole(state["views"][0]))
+    assert saved_storage_sizes(refilled) == saved_storage_sizes(fresh)
+    # Nothing done to the original afterwards reaches the copy.
+    state["state_dict"]["1.bias"].add_(100.0)
+    assert (refilled["state_dict"]["1.bias"] < 100).all()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "other shape",
+        "other dtype",
+        "other key",
+        "longer list",
+        "untied",
+        "tied",
+        "parameter",
+        "cycle",
+    ],
+)
+def test_a_state_of_another_structure_is_not_written_into_an_earlier_copy(change):
+    state = tied_state()
+    spare = host_copy(state)
+    weights = state["state_dict"]
+    if change == "other shape":
+        weights["1.bias"] = torch.zeros(11)
+    elif change == "other dtype":
+        weights["1.bias"] = weights["1.bias"].double()
+    elif change == "other key":  # a new key whose value holds a tensor
+        weights["2.bias"] = weights.pop("1.bias")
+    elif change == "longer list":  # a list that grew by a tensor
+        state["empty"].append(torch.empty(0))
+    elif change == "untied":  # tied in the copy: refilling one would overwrite the other
+        weights["1.weight"] = weights["1.weight"].clone()
+    elif change == "tied":  # the copy has two storages where the state has one
+        spare["views"] = [torch.arange(12.0)[2:5], torch.arange(12.0).view(3, 4)[:, 1]]
+    elif change == "parameter":
+        state["scalars"] = torch.nn.Parameter(torch.ones(2))
+        spare["scalars"] = torch.nn.Parameter(torch.ones(2))
+    elif change == "cycle":
+        state["loop"] = [1]
+        state["loop"].append(state["loop"])
+        spare["loop"] = [1, [1]]
+    assert refill_copy(spare, state) is None
+
+
+def test_the_writer_thread_keeps_a_written_copy_only_when_asked_and_only_once_written(tmp_path):
+    """A kept job's object becomes the spare once it is written, never while it is queued or
+    being written; an unkept one's (a CPU state's copy) is dropped."""
+    import stalwart.hindsight.materializer as materializer_module
+
+    write = materializer_module._run_job
+    started, release = threading.Event(), threading.Event()
+
+    def held(job):
+        started.set()
+        release.wait(10)
+        write(job)
+
+    writer = WriterThread()
+    kept = {"w": torch.ones(4)}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(materializer_module, "_run_job", held)
+        writer.put(WriteJob(kept, tmp_path / "a.pt"), 16, keep=True)
+        assert started.wait(10)
+        assert writer.take_spare() is None  # being written: not a spare yet
+        release.set()
+        writer.drain()
+    assert writer.take_spare() is kept and writer.take_spare() is None  # taken once
+    writer.put(WriteJob({"w": torch.ones(4)}, tmp_path / "b.pt"), 16)
+    writer.drain()
+    assert writer.take_spare() is None
+    writer.close()
+
+
+def test_a_cpu_states_copies_are_fresh_every_time(tmp_path):
+    """On CPU, copies into the last copy's buffers made whole fits slower (docs/hindsight.md):
+    each checkpoint's copy is new memory, and nothing is kept once written."""
+    materializer = ForkMaterializer(small_bytes=MB)
+    recorder = Recorder(tmp_path / "index.tsv")
+    state = {"w": torch.zeros(1000), "step": 0}
+    for i in range(4):
+        state["w"].fill_(float(i))
+        state["step"] = i
+        materializer.submit(WriteJob(state, tmp_path / f"{i}.pt", recorder))
+        materializer._writer.drain()
+        assert materializer._writer.take_spare() is None
+    materializer.close()
+    assert (materializer.copies, materializer.refills) == (4, 0)
+    results = recorder.results()
+    for i in range(4):
+        loaded = written(results, tmp_path / f"{i}.pt")
+        assert torch.equal(loaded["w"], torch.full((1000,), float(i))) and loaded["step"] == i
 
 
 def saved_storage_sizes(obj) -> list[int]:
