@@ -38,9 +38,13 @@ KEPT: dict[str, tuple[int, str]] = {
 # Modules that are command-line front ends: printing is their job.
 PRINTING_MODULES = {"cli.py", "pipeline/cli.py", "ps/experiment.py", "shrink/inspect.py"}
 
-# Exceptions used as signals inside one worker process, always caught there, never seen by a
-# user: they stay next to the code that raises and catches them.
-INTERNAL_SIGNALS = {"pipeline/links.py:PeerFailure", "pipeline/runtime.py:NodeLeaves"}
+# Exceptions used as signals inside one worker process or one walk, always caught there, never
+# seen by a user: they stay next to the code that raises and catches them.
+INTERNAL_SIGNALS = {
+    "pipeline/links.py:PeerFailure",
+    "pipeline/runtime.py:NodeLeaves",
+    "hindsight/materializer.py:_Mismatch",  # refill_copy's walk: caught there, returns None
+}
 
 
 def _definitions():

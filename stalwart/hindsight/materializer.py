@@ -211,19 +211,17 @@ class _Refiller:
         self.fresh = _HostCopier()
 
     def fill(self, into: Any, obj: Any) -> Any:
-        kind = type(obj)
-        if kind in _IMMUTABLE:
+        if type(obj) in _IMMUTABLE:
             return obj
-        known = self.memo.get(id(obj))
-        if known is not None:
-            return known
-        try:
-            new = self._fill(into, obj, kind)
-        except _Mismatch:
-            if not _plain_data(obj):
-                raise
-            new = self.fresh.copy(obj)
-        self.memo[id(obj)] = new
+        new = self.memo.get(id(obj))  # (an object met twice is one object in the copy too)
+        if new is None:
+            try:
+                new = self._fill(into, obj, type(obj))
+            except _Mismatch:
+                if not _plain_data(obj):
+                    raise
+                new = self.fresh.copy(obj)
+            self.memo[id(obj)] = new
         return new
 
     def _fill(self, into: Any, obj: Any, kind: type) -> Any:
