@@ -855,12 +855,24 @@ def write_path(sizes_mb: list[float], reps: int) -> None:
     print(table(headers, rows))
 
 
-def write_path_row(state_mb: float, reps: int) -> list[str]:
+def one_epoch_checkpoint(state_mb: float) -> tuple[dict, int]:
+    """The Lightning checkpoint of a ~``state_mb`` MB digits MLP after one epoch, and the bytes
+    of its model and optimizer tensors."""
     workload = Workload("", width_for(state_mb), 3, 32, train_size=64, repeats=1, epochs=1)
     one_epoch = trainer(1)
     one_epoch.fit(workload.model(), workload.data())
-    checkpoint = host_copy(dump_checkpoint(one_epoch))
-    nbytes = sum(t.numel() * t.element_size() for t in state_tensors(checkpoint))
+    checkpoint = dump_checkpoint(one_epoch)
+    return checkpoint, sum(t.numel() * t.element_size() for t in state_tensors(checkpoint))
+
+
+def median_range(values: list[float], suffix: str = "") -> str:
+    """``median (min..max)``, two decimals."""
+    return f"{median(values):.2f}{suffix} ({min(values):.2f}..{max(values):.2f})"
+
+
+def write_path_row(state_mb: float, reps: int) -> list[str]:
+    checkpoint, nbytes = one_epoch_checkpoint(state_mb)
+    checkpoint = host_copy(checkpoint)
     with tempfile.TemporaryDirectory(prefix="stalwart-bench-write-") as tmp:
         path = Path(tmp) / "epoch.ckpt"
         ways: dict[str, Callable[[], Any]] = {
@@ -877,12 +889,11 @@ def write_path_row(state_mb: float, reps: int) -> list[str]:
                 taken, used = python_slowdown(ways[name])
                 lost[name].append(taken * 1e3)
                 cpu[name].append(used * 1e3)
-    spread = {n: f"{median(v):.2f} ({min(v):.2f}..{max(v):.2f})" for n, v in lost.items()}
+    spread = {n: median_range(v) for n, v in lost.items()}
     ratios = [now / was for now, was in zip(cpu["now"], cpu["CRC read back"], strict=True)]
     return [
         f"{nbytes / MB:.1f} MB", spread["file object"], spread["CRC read back"], spread["now"],
-        " / ".join(f"{median(cpu[name]):.1f}" for name in ways),
-        f"{median(ratios):.2f}x ({min(ratios):.2f}..{max(ratios):.2f})",
+        " / ".join(f"{median(cpu[name]):.1f}" for name in ways), median_range(ratios, "x"),
     ]  # fmt: skip
 
 
@@ -901,11 +912,7 @@ def copy_path(sizes_mb: list[float], reps: int) -> None:
 
 
 def copy_path_row(state_mb: float, reps: int) -> list[str]:
-    workload = Workload("", width_for(state_mb), 3, 32, train_size=64, repeats=1, epochs=1)
-    one_epoch = trainer(1)
-    one_epoch.fit(workload.model(), workload.data())
-    checkpoint = dump_checkpoint(one_epoch)
-    nbytes = sum(t.numel() * t.element_size() for t in state_tensors(checkpoint))
+    checkpoint, nbytes = one_epoch_checkpoint(state_mb)
     last = host_copy(checkpoint)  # the copy the writer thread wrote last
     if refill_copy(last, checkpoint) is None:
         raise RuntimeError("a Lightning checkpoint could not be copied into its own last copy")
@@ -922,17 +929,13 @@ def copy_path_row(state_mb: float, reps: int) -> list[str]:
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
             ways[name]()
-            seconds[name].append(time.perf_counter() - start)
+            seconds[name].append((time.perf_counter() - start) * 1e3)
             faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    ms = {
-        n: f"{median(v) * 1e3:.2f} ({min(v) * 1e3:.2f}..{max(v) * 1e3:.2f})"
-        for n, v in seconds.items()
-    }
     ratios = [a / b for a, b in zip(seconds["fresh"], seconds["into the last"], strict=True)]
     return [
-        f"{nbytes / MB:.1f} MB", ms["fresh"], f"{median(faults['fresh']):.0f}",
-        ms["into the last"], f"{median(faults['into the last']):.0f}",
-        f"{median(ratios):.2f}x ({min(ratios):.2f}..{max(ratios):.2f})",
+        f"{nbytes / MB:.1f} MB", median_range(seconds["fresh"]),
+        f"{median(faults['fresh']):.0f}", median_range(seconds["into the last"]),
+        f"{median(faults['into the last']):.0f}", median_range(ratios, "x"),
     ]  # fmt: skip
 
 
