@@ -218,9 +218,7 @@ class _Refiller:
             try:
                 new = self._fill(into, obj, type(obj))
             except _Mismatch:
-                if not _plain_data(obj):
-                    raise
-                new = self.fresh.copy(obj)
+                new = self._fresh(obj)
             self.memo[id(obj)] = new
         return new
 
