@@ -84,7 +84,8 @@ def decode_lossless(blob: bytes, dtype: torch.dtype, shape: list[int]) -> torch.
 # misreading it. Format 2 added bfloat16 entries and per-layer-type bin counts in the config.
 # Format 3 added the grouped rANS coder of index streams. Format 4 added byte-plane lossless
 # coding ("grouped", and "bytes": "grouped" on bfloat16 and protected values) and the optimizer
-# moments' forms (zeros, factored, log).
+# moments' forms (zeros, factored, log). Format 5 stores a factored moment's sums in bfloat16
+# ("sums": "bfloat16"; format 4 read them as float32).
 ENCODING_FORMATS = {
     "lossless": 1, "quantized": 1, "bfloat16": 2, "grouped": 4, "zeros": 4, "factored": 4,
     "log": 4,
@@ -102,6 +103,7 @@ def format_version(entries: Mapping[Any, dict], config: QuantConfig | None) -> i
             *(ENCODING_FORMATS[entry["encoding"]] for entry in entries.values()),
             *(CODER_FORMATS.get(entry.get("coder"), 1) for entry in entries.values()),
             *(4 for entry in entries.values() if entry.get("bytes") == GROUPED),
+            *(5 for entry in entries.values() if entry.get("sums") not in (None, "float32")),
         ]
     )
 
@@ -128,6 +130,7 @@ def moment_entry(tensor: torch.Tensor, form: str, coder: str, sections: SectionW
         rows, columns = factored(tensor)
         return {
             **_head(tensor, "factored"),
+            "sums": dtype_name(rows.dtype),
             "rows": sections.add(encode_grouped(rows)),
             "columns": sections.add(encode_grouped(columns)),
         }
@@ -358,9 +361,10 @@ def decode_entry(
     if encoding == "zeros":
         return torch.zeros(tuple(shape), dtype=dtype), None
     if encoding == "factored":
-        rows = decode_grouped(container.section(entry["rows"]), torch.float32, [shape[0]])
+        sums = dtype_of(entry.get("sums", "float32"))  # format 4 stored them in float32
+        rows = decode_grouped(container.section(entry["rows"]), sums, [shape[0]])
         width = int(np.prod(shape[1:], dtype=np.int64))
-        columns = decode_grouped(container.section(entry["columns"]), torch.float32, [width])
+        columns = decode_grouped(container.section(entry["columns"]), sums, [width])
         return unfactored(rows, columns, shape, dtype), None
     if encoding == "log":
         indices = decode_stream(container.section(entry["stream"]), "ans").view(np.uint8)

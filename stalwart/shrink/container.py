@@ -28,10 +28,10 @@ MAGIC = b"STWSHRK\0"
 END_MAGIC = b"\0KRHSWTS"
 # The newest format this stalwart reads. 2 added bfloat16-rounded small tensors, 3 the grouped rANS
 # coder of index streams, 4 byte-plane lossless coding and the optimizer moments' forms (see
-# codec.ENCODING_FORMATS); a file is written with the oldest version that can read it (see
-# codec.format_version), so chains without them stay readable by stalwart versions that only
-# know format 1.
-FORMAT_VERSION = 4
+# codec.ENCODING_FORMATS), 5 factored second moments' sums in bfloat16; a file is written with
+# the oldest version that can read it (see codec.format_version), so chains without them stay
+# readable by stalwart versions that only know format 1.
+FORMAT_VERSION = 5
 _PREFIX = struct.Struct("<8sHI")
 _TRAILER = struct.Struct("<QI8s")
 

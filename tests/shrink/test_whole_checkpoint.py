@@ -25,6 +25,7 @@ from stalwart.errors import ConfigurationError, UnsafeCheckpointError
 from stalwart.plugins.shrink_io import ShrinkCheckpointIO
 from stalwart.shrink.chain import ChainWriter, ShrinkRequest
 from stalwart.shrink.codec import encode_lossless
+from stalwart.shrink.container import read_container
 from stalwart.shrink.lossless import decode_grouped, encode_grouped
 from stalwart.shrink.moments import (
     FIRST_MOMENT_CONFIGS,
@@ -36,6 +37,7 @@ from stalwart.shrink.moments import (
 )
 
 EPOCHS = 6
+FORMAT_4_FILE = Path(__file__).parent / "data" / "format4" / "adam.shrunk"
 
 
 def _trainer(epochs: int, callbacks: list) -> L.Trainer:
@@ -159,7 +161,9 @@ def test_second_moment_forms_keep_the_step_size_close():
     assert not log[3].any()
     rank_one = torch.outer(torch.rand(64), torch.rand(32))
     factored = reconstruct(Moment("exp_avg_sq", 0, "second", rank_one), "factored")
-    assert torch.allclose(factored, rank_one, rtol=1e-4, atol=1e-12)
+    # Exact up to the sums' bfloat16 rounding (2**-8 each, three of them in r_i c_j / sum(r)).
+    assert torch.allclose(factored, rank_one, rtol=3 * 2**-8, atol=1e-12)
+    assert not torch.allclose(factored, rank_one, rtol=1e-5, atol=1e-12)  # they are rounded
     with pytest.raises(ValueError):
         MomentSetting("fp8", "log")
 
@@ -195,6 +199,45 @@ def _model_and_state(optimizer_class, **kwargs):
         optimizer.step()
     shapes = [dict(enumerate(tuple(p.shape) for p in model.parameters()))]
     return model, optimizer.state_dict(), shapes
+
+
+def test_a_factored_second_moment_stores_bfloat16_sums_and_restores_what_the_check_saw(tmp_path):
+    model, adam, shapes = _model_and_state(torch.optim.Adam, lr=1e-3)
+    seen = []
+
+    def continue_training(weights, states):
+        seen.append(states[0]["state"][0]["exp_avg_sq"].clone())
+        return 1.0
+
+    report = shrink.save(
+        model.state_dict(), tmp_path / "a.shrunk", extra={"optimizer_states": [adam]},
+        compress_optimizer="auto", continue_training=continue_training, parameter_shapes=shapes,
+    )  # fmt: skip
+    assert report.optimizer.setting.second == "factored"
+    container = read_container(tmp_path / "a.shrunk")
+    assert container.header["format"] == 5  # format 4 readers would take the sums for float32
+    (entry,) = [e for e in container.header["extra"]["tensors"] if e["encoding"] == "factored"]
+    assert entry["sums"] == "bfloat16"
+    exact = adam["state"][0]["exp_avg_sq"]
+    in_float32 = len(encode_grouped(exact.sum(dim=1))) + len(encode_grouped(exact.sum(dim=0)))
+    assert entry["rows"][1] + entry["columns"][1] < 0.75 * in_float32
+    _, extra, _ = shrink.load_with_extra(tmp_path / "a.shrunk")
+    restored = extra["optimizer_states"][0]["state"][0]["exp_avg_sq"]
+    assert torch.equal(restored, seen[-1])  # the check measured exactly what a restore gets
+
+
+def test_a_format_4_file_with_float32_sums_still_reads_as_written():
+    # Written by the format-4 stalwart (0fd431c): an Adam state, second moment factored with its
+    # sums in float32, and what that version decoded the file to.
+    expected = torch.load(FORMAT_4_FILE.parent / "decoded.pt", weights_only=True)
+    assert FORMAT_4_FILE.read_bytes()[8:10] == (4).to_bytes(2, "little")
+    weights, extra, _ = shrink.load_with_extra(FORMAT_4_FILE)
+    assert all(torch.equal(weights[k], v) for k, v in expected["weights"].items())
+    got, want = extra["optimizer_states"][0]["state"], expected["optimizer"]["state"]
+    assert got.keys() == want.keys()
+    for index, per_parameter in want.items():
+        for key, value in per_parameter.items():
+            assert torch.equal(got[index][key], value), (index, key)
 
 
 def test_an_unknown_optimizer_state_is_stored_losslessly_with_a_note(tmp_path):
