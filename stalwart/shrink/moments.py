@@ -12,7 +12,8 @@ disk. Neither needs the weights' precision to resume training well:
   that cost measurably more than the ladder allows; see :data:`LADDER`.)
 * the **second moment** (``exp_avg_sq``) only scales each coordinate's step. Adafactor (Shazeer &
   Stern, 2018) trains with its row and column sums alone (``v_ij ~ r_i c_j / sum(r)``): a matrix's
-  second moment is stored in ``rows + columns`` numbers. Where that is too coarse, ``log`` stores
+  second moment is stored in ``rows + columns`` numbers (bfloat16: the estimate is far coarser
+  than their rounding). Where that is too coarse, ``log`` stores
   each value on a fixed half-octave grid (the step size it implies is within 9% of the exact one);
   the grid is absolute, so a value that did not move keeps its index from one checkpoint to the
   next.
@@ -73,8 +74,8 @@ class MomentSetting:
         first: ``"zero"`` (not stored; restored as zeros), ``"sparse"`` (75% pruned, 4
             levels), ``"pruned"`` (50% pruned, 8 levels), ``"quantized"`` (16 non-uniform
             levels) or ``"lossless"``.
-        second: ``"factored"`` (row and column sums of each matrix; vectors fall back to
-            ``"log"``), ``"log"`` (half-octave grid) or ``"lossless"``.
+        second: ``"factored"`` (row and column sums of each matrix, in bfloat16; vectors fall
+            back to ``"log"``), ``"log"`` (half-octave grid) or ``"lossless"``.
     """
 
     first: str
