@@ -13,10 +13,9 @@ disk. Neither needs the weights' precision to resume training well:
 * the **second moment** (``exp_avg_sq``) only scales each coordinate's step. Adafactor (Shazeer &
   Stern, 2018) trains with its row and column sums alone (``v_ij ~ r_i c_j / sum(r)``): a matrix's
   second moment is stored in ``rows + columns`` numbers (bfloat16: the estimate is far coarser
-  than their rounding). Where that is too coarse, ``log`` stores
-  each value on a fixed half-octave grid (the step size it implies is within 9% of the exact one);
-  the grid is absolute, so a value that did not move keeps its index from one checkpoint to the
-  next.
+  than their rounding). Where that is too coarse, ``log`` stores each value on a fixed
+  half-octave grid (the step size it implies is within 9% of the exact one); the grid is
+  absolute, so a value that did not move keeps its index from one checkpoint to the next.
 
 Which of these a checkpoint uses is decided by measurement, like the weights' quantization: the
 :data:`LADDER` of settings is tried from the most compressed, and the first whose short
