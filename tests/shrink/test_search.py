@@ -15,6 +15,7 @@ from stalwart.errors import ConfigurationError
 from stalwart.shrink.chain import ChainWriter, ShrinkRequest
 from stalwart.shrink.inspect import describe, inspect
 from stalwart.shrink.partition import QuantConfig
+from stalwart.shrink.quantize import TensorAnalysis
 from stalwart.shrink.search import LR_SHARE_FLOOR, learning_rate_share
 
 
@@ -280,10 +281,20 @@ def one_thread_of_three_cores(monkeypatch):
 
 @pytest.mark.parametrize("fails", [False, True])
 def test_a_save_scores_on_every_core_and_gives_training_its_threads_back(
-    tmp_path, one_thread_of_three_cores, fails
+    tmp_path, one_thread_of_three_cores, fails, monkeypatch
 ):
-    # Training waits while a checkpoint is shrunk: the search may use the cores it leaves idle.
+    # Training waits while a checkpoint is shrunk: the search's forwards may use the cores it
+    # leaves idle; the codec's many small tensor operations stay on training's thread count,
+    # where they ran several times faster than on two (docs/shrink.md).
     seen = one_thread_of_three_cores
+    quantized_on = []
+    quantize = TensorAnalysis.quantize
+
+    def counting_quantize(self, *args, **kwargs):
+        quantized_on.append(torch.get_num_threads())
+        return quantize(self, *args, **kwargs)
+
+    monkeypatch.setattr(TensorAnalysis, "quantize", counting_quantize)
 
     def evaluate(state):
         seen.append(torch.get_num_threads())
@@ -291,13 +302,27 @@ def test_a_save_scores_on_every_core_and_gives_training_its_threads_back(
             raise RuntimeError("scoring failed")
         return 1.0
 
+    def continue_training(weights, states):
+        seen.append(torch.get_num_threads())
+        return 1.0
+
     weights = {"w": torch.randn(64, 64)}
+    model = nn.Linear(64, 64)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    kwargs = dict(
+        evaluate=evaluate, screen=evaluate, extra={"optimizer": optimizer.state_dict()},
+        compress_optimizer="auto", continue_training=continue_training,
+    )  # fmt: skip
     if fails:
         with pytest.raises(RuntimeError, match="scoring failed"):
-            shrink.save(weights, tmp_path / "x.shrunk", evaluate=evaluate)
+            shrink.save(weights, tmp_path / "x.shrunk", **kwargs)
     else:
-        shrink.save(weights, tmp_path / "x.shrunk", evaluate=evaluate)
+        shrink.save(weights, tmp_path / "x.shrunk", **kwargs)
+        assert len(seen) > 2  # screened, confirmed and continued
     assert seen and set(seen) == {3}
+    assert quantized_on and set(quantized_on) == {1}
     assert torch.get_num_threads() == 1
 
 
