@@ -175,8 +175,8 @@ def on_every_core(function: Callable[..., Any] | None) -> Callable[..., Any] | N
 
     Only the model's forwards and backwards gain from the idle cores. The codec's work (masks,
     sketches, k-means, entropy coding) is many operations on tensors of ~10^4-10^5 elements, and
-    torch's threads cost it time: packing the char transformer's first moments took ~0.24 s on
-    training's one thread and 0.3-1.7 s on two (docs/shrink.md), so it stays on training's.
+    torch's threads cost it time: packing the char transformer's first moments took 0.23-0.35 s on
+    training's one thread and 0.29-1.70 s on two (docs/shrink.md), so it stays on training's.
     """
     if function is None:
         return None

@@ -285,7 +285,7 @@ def test_a_save_scores_on_every_core_and_gives_training_its_threads_back(
 ):
     # Training waits while a checkpoint is shrunk: the search's forwards may use the cores it
     # leaves idle; the codec's many small tensor operations stay on training's thread count,
-    # where they ran several times faster than on two (docs/shrink.md).
+    # where they ran faster and steadier than on two (docs/shrink.md).
     seen = one_thread_of_three_cores
     quantized_on = []
     quantize = TensorAnalysis.quantize
@@ -320,7 +320,7 @@ def test_a_save_scores_on_every_core_and_gives_training_its_threads_back(
             shrink.save(weights, tmp_path / "x.shrunk", **kwargs)
     else:
         shrink.save(weights, tmp_path / "x.shrunk", **kwargs)
-        assert len(seen) > 2  # screened, confirmed and continued
+        assert len(seen) > 2  # the reference and a candidate screened, the continuations
     assert seen and set(seen) == {3}
     assert quantized_on and set(quantized_on) == {1}
     assert torch.get_num_threads() == 1
