@@ -170,24 +170,6 @@ def every_core() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def on_every_core(function: Callable[..., Any] | None) -> Callable[..., Any] | None:
-    """``function`` run inside :func:`every_core` (None stays None).
-
-    Only the model's forwards and backwards gain from the idle cores. The codec's work (masks,
-    sketches, k-means, entropy coding) is many operations on tensors of ~10^4-10^5 elements, and
-    torch's threads cost it time: packing the char transformer's first moments took 0.23-0.35 s on
-    training's one thread and 0.29-1.70 s on two (docs/shrink.md), so it stays on training's.
-    """
-    if function is None:
-        return None
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with every_core():
-            return function(*args, **kwargs)
-
-    return run
-
-
 def save(
     state_dict: Mapping[str, torch.Tensor],
     path: str | os.PathLike,
@@ -275,8 +257,14 @@ def save(
     if chain is not None:
         _check_matches(state_dict, chain)
     state_dict = {name: t.detach().cpu() for name, t in state_dict.items()}
-    evaluate, screen = on_every_core(evaluate), on_every_core(screen)
-    continue_training = on_every_core(continue_training)
+    # Only the model's forwards and backwards gain from the idle cores. The codec's work (masks,
+    # sketches, k-means, entropy coding) is many operations on tensors of ~10^4-10^5 elements that
+    # torch's threads slow down: packing the char transformer's first moments took 0.23-0.35 s on
+    # training's one thread and 0.29-1.70 s on two (docs/shrink.md), so it stays on training's.
+    evaluate, screen, continue_training = (
+        None if function is None else every_core()(function)  # a fresh context per call
+        for function in (evaluate, screen, continue_training)
+    )
     analyses = _analyses(state_dict, gradients or {}, layer_types or {}, min_numel, chain)
     weights = _quantize(
         state_dict, analyses, small_tensors, chain, config, evaluate, screen, search, tau,
