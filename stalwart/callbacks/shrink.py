@@ -99,6 +99,13 @@ class ShrinkCheckpoint(ModelCheckpoint):
             smallest of rANS per previous level, rANS, and run lengths + zstd), ``"ans-grouped"``,
             ``"ans"``, ``"zstd"`` or ``"huffman"``.
         save_top_k: as in ``ModelCheckpoint``; default -1 (keep all: deltas are small).
+        background: shrink each checkpoint in a forked child while training goes on, instead of
+            holding training for the search (on the char transformer trained on one thread of
+            two cores, training then pays XXX instead of the save's whole seconds;
+            docs/shrink.md). The child scores on one thread at a lower priority, so its choices
+            may differ in the last bits from a foreground save's; the file appears when it is
+            done (a logger that uploads checkpoints as they are saved would not find it yet),
+            and the fit ends only once the last one is written. CPU training only.
         **kwargs: any other ``ModelCheckpoint`` argument (``filename``, ``monitor``...).
 
     Example::
@@ -126,6 +133,7 @@ class ShrinkCheckpoint(ModelCheckpoint):
         grad_beta: float = 0.9,
         coder: str = DEFAULT_CODER,
         save_top_k: int = -1,
+        background: bool = False,
         **kwargs: Any,
     ) -> None:
         check_adapter_arguments(
@@ -143,6 +151,7 @@ class ShrinkCheckpoint(ModelCheckpoint):
             keyframe_every=keyframe_every,
             compress_optimizer=compress_optimizer,
             coder=coder,
+            background=background,
         )
         self.tau = tau
         self.tau_follows_lr = tau_follows_lr

@@ -45,6 +45,9 @@ class ShrinkCheckpointIO(CheckpointIO):
             ``"ans"``, ``"zstd"`` or ``"huffman"``.
         delegate: the IO that plain (non-shrunken) checkpoints are read with and, when set, the
             one that saves without a :class:`ShrinkRequest` go to.
+        background: shrink each checkpoint in a forked child while training goes on (see
+            :class:`~stalwart.shrink.chain.ChainWriter`); the file appears when the child is
+            done, and the fit's teardown waits for the last one.
 
     A save is searched under ``tau`` when it comes with a :class:`ShrinkRequest`: passed as
     ``trainer.save_checkpoint(path, storage_options=request)``, or built by the function given
@@ -65,8 +68,11 @@ class ShrinkCheckpointIO(CheckpointIO):
         compress_optimizer: str = "auto",
         coder: str = DEFAULT_CODER,
         delegate: CheckpointIO | None = None,
+        background: bool = False,
     ) -> None:
-        self.writer = ChainWriter(tau, config, keyframe_every, compress_optimizer, coder)
+        self.writer = ChainWriter(
+            tau, config, keyframe_every, compress_optimizer, coder, background=background
+        )
         self.delegate = delegate
         self._request: Callable[[], ShrinkRequest] | None = None
 
@@ -76,7 +82,14 @@ class ShrinkCheckpointIO(CheckpointIO):
 
     @property
     def reports(self) -> list[ShrinkReport]:
+        self.writer.wait()
         return self.writer.reports
+
+    def teardown(self) -> None:
+        """The end of a fit (or of a failed one) waits for a background save in flight."""
+        self.writer.wait()
+        if self.delegate is not None:
+            self.delegate.teardown()
 
     @contextlib.contextmanager
     def requesting(self, request: Callable[[], ShrinkRequest]) -> Iterator[None]:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from stalwart.errors import ConfigurationError
+from stalwart.shrink import background
 from stalwart.shrink.codec import (
     ChainState,
     bfloat16_entry,
@@ -158,9 +159,14 @@ def every_core() -> Iterator[None]:
     """
     before = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    # From another thread (e.g. Lightning's AsyncCheckpointIO) training goes on meanwhile, and
-    # torch's thread count is the whole process's: leave it.
-    if not cores or cores <= before or threading.current_thread() is not threading.main_thread():
+    # From another thread (e.g. Lightning's AsyncCheckpointIO) or a background save's child
+    # training goes on meanwhile (torch's thread count is the whole process's): leave it.
+    if (
+        not cores
+        or cores <= before
+        or threading.current_thread() is not threading.main_thread()
+        or background.in_child()
+    ):
         yield
         return
     torch.set_num_threads(cores)

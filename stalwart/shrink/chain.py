@@ -23,6 +23,7 @@ from stalwart.shrink.api import (
     load_with_extra,
     save,
 )
+from stalwart.shrink.background import ForkedCall
 from stalwart.shrink.codec import ChainState
 from stalwart.shrink.container import read_header
 from stalwart.shrink.entropy import DEFAULT_CODER
@@ -89,6 +90,12 @@ class ChainWriter:
             largest share of a save's time, and on the runs measured a setting that passed
             once passed again by a wide margin (continuations +0.000..+0.019, tau 0.05).
             A keyframe, an optimizer change or a resumed chain checks again.
+        background: run each save in a forked child while the caller goes on (training, under
+            Lightning); :meth:`save` then returns None and the save's report, and the chain
+            state the next delta extends, are collected at the next :meth:`save`,
+            :meth:`load`, :meth:`remove` or :meth:`wait`. The child scores on one thread at a
+            lower priority, so its choices may differ in the last bits from a save that takes
+            every core. CPU tensors only (a forked child cannot use CUDA).
 
     Example::
 
@@ -105,6 +112,7 @@ class ChainWriter:
         compress_optimizer: str = "auto",
         coder: str = DEFAULT_CODER,
         recheck_optimizer_every: int = 5,
+        background: bool = False,
     ) -> None:
         if keyframe_every < 1:
             raise ConfigurationError(f"keyframe_every must be >= 1, got {keyframe_every}")
@@ -126,6 +134,10 @@ class ChainWriter:
         self.reports: list[ShrinkReport] = []
         self._checked: MomentChoice | None = None  # the last continuation check's choice
         self._unchecked = 0  # saves since that check that reused its choice
+        if background and not hasattr(os, "fork"):
+            raise ConfigurationError("background saves fork a child: not available here")
+        self.background = background
+        self._pending: tuple[ForkedCall, Path, ConfigSearch | None] | None = None
 
     def save(
         self,
@@ -133,10 +145,63 @@ class ChainWriter:
         extra: Any,
         path: str | os.PathLike,
         request: ShrinkRequest | None = None,
-    ) -> ShrinkReport:
-        """Write ``weights`` (quantized; a delta when the chain allows) and ``extra``."""
+    ) -> ShrinkReport | None:
+        """Write ``weights`` (quantized; a delta when the chain allows) and ``extra``; the report,
+        or None with ``background`` (see :meth:`wait`)."""
+        self.wait()
         request = request or ShrinkRequest()
-        path = Path(path)
+        if not self.background:
+            return self._save_now(weights, extra, Path(path), request)
+        if any(t.is_cuda for t in weights.values() if isinstance(t, torch.Tensor)):
+            raise ConfigurationError(
+                "background saves fork a child, which cannot use CUDA, and these weights are "
+                "on the GPU; pass background=False (the save then runs while training waits)."
+            )
+        call = ForkedCall(
+            lambda: self._child_save(weights, extra, Path(path), request), what=str(path)
+        )
+        self._pending = (call, Path(path), request.search)
+        return None
+
+    def busy(self) -> bool:
+        """Whether a background save is still running (it is not collected here)."""
+        return self._pending is not None and not self._pending[0].done()
+
+    def wait(self) -> ShrinkReport | None:
+        """Collect the background save in flight, if any: its report (also appended to
+        :attr:`reports`), after which :attr:`chain` is the file it wrote. Raises
+        :class:`~stalwart.shrink.background.BackgroundSaveError` if that save failed (its file
+        was not written and the chain still ends at the file before)."""
+        if self._pending is None:
+            return None
+        (call, path, search), self._pending = self._pending, None
+        report, search_state = call.result()
+        if search is not None and search_state is not None:
+            search.load_state_dict(search_state)  # what the child's search chose
+        self._saved(report, path)
+        return report
+
+    def _child_save(
+        self, weights: Mapping[str, torch.Tensor], extra: Any, path: Path, request: ShrinkRequest
+    ) -> tuple[ShrinkReport, dict | None]:
+        report = self._save_now(weights, extra, path, request, collect=False)
+        return report, None if request.search is None else request.search.state_dict()
+
+    def _saved(self, report: ShrinkReport, path: Path, collect: bool = True) -> None:
+        self._note_choice(report)
+        self.chain = report.chain
+        self.reports.append(report)
+        if collect:
+            self.collect_retired(path.parent)
+
+    def _save_now(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        extra: Any,
+        path: Path,
+        request: ShrinkRequest,
+        collect: bool = True,
+    ) -> ShrinkReport:
         path.parent.mkdir(parents=True, exist_ok=True)
         previous = self.chain
         if previous is not None and self._optimizer_changed(previous, extra):
@@ -169,10 +234,7 @@ class ChainWriter:
             optimizer_choice=self._reusable_choice(previous, request),
             coder=self.coder,
         )
-        self._note_choice(report)
-        self.chain = report.chain
-        self.reports.append(report)
-        self.collect_retired(path.parent)
+        self._saved(report, path, collect)
         return report
 
     def _reusable_choice(
@@ -220,12 +282,14 @@ class ChainWriter:
     ) -> tuple[dict[str, torch.Tensor], Any]:
         """The weights and ``extra`` saved at ``path``; a resumed run continues this chain.
         ``weights_only`` as in :func:`stalwart.shrink.load_with_extra`."""
+        self.wait()
         weights, extra, chain = load_with_extra(path, weights_only=weights_only)
         self.chain = chain
         return weights, extra
 
     def remove(self, path: str | os.PathLike) -> None:
         """Retire a checkpoint: deleted now if no live file depends on it, else once none does."""
+        self.wait()  # the save in flight may be the file that still needs this one
         path = Path(path)
         retired = self._retired(path.parent)
         retired.add(path.name)

@@ -112,6 +112,33 @@ def test_evaluation_leaves_no_trace_in_training(tmp_path):
     assert len(list((tmp_path / "runs").rglob("*.ckpt"))) >= 2  # hindsight recorded alongside
 
 
+def test_background_saves_leave_training_untouched_and_are_all_written_when_fit_returns(tmp_path):
+    # Each save is shrunk by a forked child while training goes on; the fit's teardown waits
+    # for the last one, and a fit resumes from the chain they wrote.
+    def fit(callbacks, epochs=3, ckpt=None, model=None):
+        L.seed_everything(1)
+        model = model or DigitsCNN(max_epochs=4)
+        kwargs = _quiet() if callbacks else QUIET
+        L.Trainer(max_epochs=epochs, callbacks=callbacks, **kwargs).fit(
+            model, DigitsCNNDataModule(), ckpt_path=ckpt
+        )
+        return model
+
+    plain = fit([]).state_dict()
+    callback = ShrinkCheckpoint(dirpath=tmp_path, background=True)
+    shrunk = fit([callback]).state_dict()
+    assert all(torch.equal(plain[k], shrunk[k]) for k in plain)
+    files = sorted(tmp_path.glob("*.ckpt"))
+    assert len(files) == 3 and all(is_shrunk_file(p) for p in files)
+    assert [r.kind for r in callback.reports] == ["keyframe", "delta", "delta"]
+    assert not callback.io.writer.busy() and callback.io.chain.path == _latest(tmp_path)
+    assert all(r.degradation <= r.bound for r in callback.reports)
+    resumed = ShrinkCheckpoint(dirpath=tmp_path, background=True)
+    fit([resumed], epochs=4, ckpt=_latest(tmp_path))
+    assert [r.kind for r in resumed.reports] == ["delta"]  # extends the chain it resumed from
+    assert len(list(tmp_path.glob("*.ckpt"))) == 4
+
+
 def test_files_a_delta_needs_are_kept_until_nothing_needs_them(tmp_path):
     # save_top_k=1 asks ModelCheckpoint to delete every older file; deltas still need theirs.
     def fit(epochs, ckpt=None):

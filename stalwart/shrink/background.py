@@ -1,0 +1,107 @@
+"""A save run in a forked child while training goes on (``ShrinkCheckpoint(background=True)``).
+
+A fork is the snapshot: the child sees the model, the optimizer, the held-out batches and every
+RNG exactly as they were at the save, copy-on-write, while the parent trains on. The child runs
+the save on one thread at a lower priority, writes its result (the report, the chain state the
+next delta extends, the search's state) to a private temp file and exits; the parent collects it
+before its next save, a load, a removal, or at the end of the fit.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_in_child = False
+
+
+def in_child() -> bool:
+    """True inside a background save's child: it shares the cores with training, which goes on
+    meanwhile, so it keeps one torch thread (``stalwart.shrink.api.every_core`` asks this)."""
+    return _in_child
+
+
+class BackgroundSaveError(RuntimeError):
+    """A background save failed; its file was not written (files are written by rename)."""
+
+
+class ForkedCall:
+    """``function()`` run in a forked child; :meth:`result` waits for it and returns its value.
+
+    Args:
+        function: what the child runs; its return value must pickle.
+        what: how errors name this call (e.g. the file being written).
+    """
+
+    def __init__(self, function: Callable[[], Any], what: str) -> None:
+        self.what = what
+        descriptor, self._result_path = tempfile.mkstemp(prefix="stalwart-save-", suffix=".pkl")
+        os.close(descriptor)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _run_child(function, self._result_path)  # never returns
+        self.pid: int | None = pid
+        self._status = 0
+
+    def done(self) -> bool:
+        """Whether the child has finished (without waiting; the result is collected later)."""
+        if self.pid is None:
+            return True
+        finished, status = os.waitpid(self.pid, os.WNOHANG)
+        if finished:  # reaped here: result() reads the status kept
+            self.pid, self._status = None, status
+        return self.pid is None
+
+    def result(self) -> Any:
+        """Wait for the child; its return value, or :class:`BackgroundSaveError` with its error."""
+        if self.pid is not None:
+            _, self._status = os.waitpid(self.pid, 0)
+            self.pid = None
+        code = os.waitstatus_to_exitcode(self._status)
+        try:
+            with open(self._result_path, "rb") as file:
+                outcome, value = pickle.load(file)  # written by our own child, not foreign input
+        except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+            outcome, value = "error", f"the child exited with {code} and left no result"
+        finally:
+            os.unlink(self._result_path)
+        if code != 0 or outcome != "ok":
+            raise BackgroundSaveError(f"the background save of {self.what} failed: {value}")
+        return value
+
+
+def _run_child(function: Callable[[], Any], result_path: str) -> None:
+    global _in_child
+    code = 1
+    try:
+        _in_child = True
+        # Ctrl-C or a scheduler's SIGTERM to the process group must not tear the file in
+        # flight; the parent decides what happens to the run (SIGKILL still ends the child, and
+        # the temp name keeps that harmless).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.nice(10)  # training goes first when the cores are contended
+        torch.set_num_threads(1)  # OpenMP's pool is not fork-safe, and training has the rest
+        try:
+            outcome = ("ok", function())
+        except BaseException as error:
+            # The error's own line first; the child's traceback below it (its stderr may be lost).
+            summary = "".join(traceback.format_exception_only(error)).strip()
+            outcome = ("error", f"{summary}\n\nin the child:\n{traceback.format_exc(limit=-8)}")
+        with open(result_path, "wb") as file:
+            pickle.dump(outcome, file, protocol=pickle.HIGHEST_PROTOCOL)
+        code = 0 if outcome[0] == "ok" else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)  # none of the parent's exit code (atexit, Lightning's teardown) runs here
