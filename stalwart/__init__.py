@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from stalwart.errors import (
+    BackgroundSaveError,
     ConfigurationError,
     CorruptCheckpointError,
     DatasetUnavailableError,
@@ -45,6 +46,7 @@ _LAZY = {
 _SUBPACKAGES = ("gnn", "hindsight", "shrink")
 
 __all__ = [
+    "BackgroundSaveError",
     "ConfigurationError",
     "CorruptCheckpointError",
     "DatasetUnavailableError",

@@ -50,6 +50,11 @@ class UnsafeCheckpointError(StalwartError):
     """A checkpoint holds pickled objects that a ``weights_only`` load refuses to run."""
 
 
+class BackgroundSaveError(StalwartError):
+    """A checkpoint shrunk in a background child failed; its file was not written (files are
+    written under a temp name and renamed), and the chain goes on from the file before."""
+
+
 class DatasetUnavailableError(ConfigurationError):
     """A dataset is neither under its root nor downloadable from here.
 

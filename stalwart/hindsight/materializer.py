@@ -18,11 +18,8 @@ import copy
 import math
 import os
 import queue
-import signal
-import sys
 import threading
 import time
-import traceback
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
@@ -36,6 +33,7 @@ from torch.utils import _pytree as pytree
 from stalwart import durable
 from stalwart.durable import WrittenFile
 from stalwart.errors import ConfigurationError
+from stalwart.forking import fork_child
 from stalwart.hindsight.checkpoint_file import write_checkpoint
 
 
@@ -728,25 +726,7 @@ class ForkMaterializer(Materializer):
             oldest = next(iter(self._children))
             _, status = os.waitpid(oldest, 0)
             self._reaped(oldest, status)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the child: write, then leave without running any of the parent's exit code
-            code = 1
-            try:
-                # Ctrl-C, or a scheduler's SIGTERM to the whole process group, must not tear the
-                # checkpoint in flight: the write finishes (SIGKILL still ends it; the temp name
-                # keeps that harmless).
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)
-                os.nice(10)  # yield the cores to training when they are contended
-                torch.set_num_threads(1)
-                _run_job(job)
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                os._exit(code)
+        pid = fork_child(lambda: _run_job(job))
         self.forks += 1
         self._children[pid] = str(job.path)
 

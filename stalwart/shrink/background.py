@@ -2,23 +2,23 @@
 
 A fork is the snapshot: the child sees the model, the optimizer, the held-out batches and every
 RNG exactly as they were at the save, copy-on-write, while the parent trains on. The child runs
-the save on one thread at a lower priority, writes its result (the report, the chain state the
-next delta extends, the search's state) to a private temp file and exits; the parent collects it
-before its next save, a load, a removal, or at the end of the fit.
+the save on one thread at a lower priority (:func:`stalwart.forking.fork_child`), writes its
+result (the report, the chain state the next delta extends, the search's state) to a private
+temp file and exits; the parent collects it before its next save, a load, a removal, or at the
+end of the fit.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import signal
-import sys
 import tempfile
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch
+from stalwart.errors import BackgroundSaveError
+from stalwart.forking import fork_child
 
 _in_child = False
 
@@ -27,10 +27,6 @@ def in_child() -> bool:
     """True inside a background save's child: it shares the cores with training, which goes on
     meanwhile, so it keeps one torch thread (``stalwart.shrink.api.every_core`` asks this)."""
     return _in_child
-
-
-class BackgroundSaveError(RuntimeError):
-    """A background save failed; its file was not written (files are written by rename)."""
 
 
 class ForkedCall:
@@ -45,12 +41,9 @@ class ForkedCall:
         self.what = what
         descriptor, self._result_path = tempfile.mkstemp(prefix="stalwart-save-", suffix=".pkl")
         os.close(descriptor)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            _run_child(function, self._result_path)  # never returns
-        self.pid: int | None = pid
+        self.pid: int | None = fork_child(
+            lambda: _run_in_child(function, self._result_path), idle=True
+        )
         self._status = 0
 
     def done(self) -> bool:
@@ -63,7 +56,8 @@ class ForkedCall:
         return self.pid is None
 
     def result(self) -> Any:
-        """Wait for the child; its return value, or :class:`BackgroundSaveError` with its error."""
+        """Wait for the child: its return value, or
+        :class:`~stalwart.errors.BackgroundSaveError` with the child's error."""
         if self.pid is not None:
             _, self._status = os.waitpid(self.pid, 0)
             self.pid = None
@@ -80,28 +74,14 @@ class ForkedCall:
         return value
 
 
-def _run_child(function: Callable[[], Any], result_path: str) -> None:
+def _run_in_child(function: Callable[[], Any], result_path: str) -> None:
     global _in_child
-    code = 1
+    _in_child = True
     try:
-        _in_child = True
-        # Ctrl-C or a scheduler's SIGTERM to the process group must not tear the file in
-        # flight; the parent decides what happens to the run (SIGKILL still ends the child, and
-        # the temp name keeps that harmless).
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        os.nice(10)  # training goes first when the cores are contended
-        torch.set_num_threads(1)  # OpenMP's pool is not fork-safe, and training has the rest
-        try:
-            outcome = ("ok", function())
-        except BaseException as error:
-            # The error's own line first; the child's traceback below it (its stderr may be lost).
-            summary = "".join(traceback.format_exception_only(error)).strip()
-            outcome = ("error", f"{summary}\n\nin the child:\n{traceback.format_exc(limit=-8)}")
-        with open(result_path, "wb") as file:
-            pickle.dump(outcome, file, protocol=pickle.HIGHEST_PROTOCOL)
-        code = 0 if outcome[0] == "ok" else 1
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        os._exit(code)  # none of the parent's exit code (atexit, Lightning's teardown) runs here
+        outcome = ("ok", function())
+    except BaseException as error:
+        # The error's own line first; the child's traceback below it (its stderr may be lost).
+        summary = "".join(traceback.format_exception_only(error)).strip()
+        outcome = ("error", f"{summary}\n\nin the child:\n{traceback.format_exc(limit=-8)}")
+    with open(result_path, "wb") as file:
+        pickle.dump(outcome, file, protocol=pickle.HIGHEST_PROTOCOL)

@@ -170,7 +170,7 @@ class ChainWriter:
     def wait(self) -> ShrinkReport | None:
         """Collect the background save in flight, if any: its report (also appended to
         :attr:`reports`), after which :attr:`chain` is the file it wrote. Raises
-        :class:`~stalwart.shrink.background.BackgroundSaveError` if that save failed (its file
+        :class:`~stalwart.errors.BackgroundSaveError` if that save failed (its file
         was not written and the chain still ends at the file before)."""
         if self._pending is None:
             return None

@@ -15,10 +15,12 @@ from digits_cnn import DigitsCNN, DigitsCNNDataModule
 import stalwart
 import stalwart.shrink as shrink
 from stalwart import ShrinkCheckpoint
+from stalwart.errors import ConfigurationError
 from stalwart.hindsight.materializer import ForkMaterializer
 from stalwart.pipeline.faults import Fault
 from stalwart.pipeline.job import PipelineJob
 from stalwart.pipeline.launch import launch
+from stalwart.shrink.chain import ChainWriter
 from stalwart.shrink.container import is_shrunk_file
 from tests.helpers import QUIET
 from tests.hindsight.test_replay import EpochProbe, EveryEpoch, GradProbe, fresh, values
@@ -145,6 +147,15 @@ def test_shrink_compresses_cuda_state_and_training_resumes_on_the_gpu(tmp_path):
     assert weights >= 8, [round(r.ratio, 1) for r in reports]
     on_gpu = shrink.load(ckpt, map_location="cuda")
     assert {t.device.type for t in on_gpu.values()} == {"cuda"}
+
+
+def test_a_background_save_of_cuda_weights_is_refused_with_what_to_do(tmp_path):
+    # A forked child cannot use CUDA: the save says so before forking, and nothing is written.
+    writer = ChainWriter(config=shrink.QuantConfig(bins=16), background=True)
+    weights = {"w": torch.randn(64, 64, device="cuda")}
+    with pytest.raises(ConfigurationError, match="background=False"):
+        writer.save(weights, None, tmp_path / "0.shrunk")
+    assert not list(tmp_path.iterdir())
 
 
 PIPELINE = dict(

@@ -11,8 +11,7 @@ import time
 import pytest
 import torch
 
-from stalwart import shrink
-from stalwart.shrink.background import BackgroundSaveError
+from stalwart import BackgroundSaveError, shrink
 from stalwart.shrink.chain import ChainWriter, ShrinkRequest
 from stalwart.shrink.partition import QuantConfig
 
