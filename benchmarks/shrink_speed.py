@@ -16,9 +16,12 @@ the first checkpoint's full search included and amortised over no more than that
 that one run: compression seconds (search included) / training seconds, and the median batch time
 outside and inside the gradient window against plain training. Target: <= 2%, throughput outside
 the window unchanged. The PASS/FAIL line is the measured in-run share, never an extrapolation.
+With ``--background`` (``ShrinkCheckpoint(background=True)``) the share is what training paid:
+the seconds it waited in saves, plus how much slower its batches ran beside a save than alone.
 
     .venv/bin/python benchmarks/shrink_speed.py --skip-overhead --coders auto   # codec only
     .venv/bin/python benchmarks/shrink_speed.py --skip-codec      # overhead only (~12 min)
+    .venv/bin/python benchmarks/shrink_speed.py --skip-codec --background   # saves beside training
     .venv/bin/python benchmarks/shrink_speed.py --params 10_000_000 --checkpoints 2   # quick
     .venv/bin/python benchmarks/shrink_speed.py --throughput-ab 3   # batch time A/B (~4 min)
 """

@@ -15,12 +15,13 @@ from collections.abc import Callable
 import torch
 
 
-def fork_child(work: Callable[[], None], *, idle: bool = False) -> int:
-    """Fork a child that runs ``work()`` and exits; the child's pid (to ``os.waitpid``).
+def fork_child(work: Callable[[], None]) -> int:
+    """Fork a child that runs ``work()`` at a lower priority and exits; the child's pid (to
+    ``os.waitpid``).
 
-    The child runs at a lower priority (nice 10), or with ``idle`` in Linux's ``SCHED_IDLE``
-    class where it has one: only on cores nothing else wants, so that training on every core
-    does not wait for it in its parallel regions.
+    Nice 10, not Linux's ``SCHED_IDLE``: in an idle class a background shrink save beside
+    training on every core got only the cycles training left, took 4-10x longer and cost training
+    as much (docs/shrink.md).
 
     The child exits 0 when ``work`` returns and 1 when it raises (its traceback on stderr),
     with ``os._exit``: none of the parent's exit code (atexit handlers, Lightning's teardown)
@@ -37,10 +38,7 @@ def fork_child(work: Callable[[], None], *, idle: bool = False) -> int:
         # flight: the work finishes (SIGKILL still ends it; temp names keep that harmless).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if idle and hasattr(os, "sched_setscheduler"):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        else:
-            os.nice(10)  # yield the cores to training when they are contended
+        os.nice(10)  # yield the cores to training when they are contended
         torch.set_num_threads(1)  # OpenMP's pool is not fork-safe, and training has the rest
         work()
         code = 0

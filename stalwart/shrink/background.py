@@ -41,9 +41,7 @@ class ForkedCall:
         self.what = what
         descriptor, self._result_path = tempfile.mkstemp(prefix="stalwart-save-", suffix=".pkl")
         os.close(descriptor)
-        self.pid: int | None = fork_child(
-            lambda: _run_in_child(function, self._result_path), idle=True
-        )
+        self.pid: int | None = fork_child(lambda: _run_in_child(function, self._result_path))
         self._status = 0
 
     def done(self) -> bool:
