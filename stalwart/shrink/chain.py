@@ -135,7 +135,10 @@ class ChainWriter:
         self._checked: MomentChoice | None = None  # the last continuation check's choice
         self._unchecked = 0  # saves since that check that reused its choice
         if background and not hasattr(os, "fork"):
-            raise ConfigurationError("background saves fork a child: not available here")
+            raise ConfigurationError(
+                "background saves fork a child, and this platform has no fork; pass "
+                "background=False (each save then runs while the caller waits)."
+            )
         self.background = background
         self._pending: tuple[ForkedCall, Path, ConfigSearch | None] | None = None
 
