@@ -101,7 +101,7 @@ class ShrinkCheckpoint(ModelCheckpoint):
         save_top_k: as in ``ModelCheckpoint``; default -1 (keep all: deltas are small).
         background: shrink each checkpoint in a forked child while training goes on, instead of
             holding training for the search. It pays where training leaves a core idle (the
-            char transformer on one torch thread of two cores: training paid 0.17-0.47% of its
+            char transformer on one torch thread of two cores: training paid 0.06-0.47% of its
             time for 12 saves, against ~3-4% with saves in the fit); beside training on every
             core the child slows it about as much as a save in the fit (docs/shrink.md). The
             child scores on one thread at a lower priority, so its choices may differ in the

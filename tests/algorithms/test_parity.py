@@ -15,7 +15,9 @@ from stalwart.algorithms import Hindsight, Shrink, replay
 
 #: Arguments only the Lightning ShrinkCheckpoint has: it is a ModelCheckpoint, which decides when
 #: and where to save; Composer's Trainer decides that (save_folder, save_interval...) for Shrink.
-LIGHTNING_SHRINK_ONLY = {"dirpath", "every_n_epochs", "save_top_k", "kwargs"}
+#: ``background`` too: Composer's saver links, archives or uploads each file right after its write
+#: returns, so a file a forked child is still writing would break it; not built for Composer yet.
+LIGHTNING_SHRINK_ONLY = {"dirpath", "every_n_epochs", "save_top_k", "background", "kwargs"}
 #: Parameters whose annotation names the framework's own type.
 FRAMEWORK_TYPED = {"evaluate", "probe", "loggers"}
 
