@@ -82,6 +82,8 @@ class ShrinkCheckpointIO(CheckpointIO):
 
     @property
     def reports(self) -> list[ShrinkReport]:
+        """Every save's report, in order. With ``background``, reading this waits for the save
+        in flight and raises its :class:`~stalwart.errors.BackgroundSaveError` if it failed."""
         self.writer.wait()
         return self.writer.reports
 

@@ -5,11 +5,14 @@ RNG exactly as they were at the save, copy-on-write, while the parent trains on.
 the save on one thread at a lower priority (:func:`stalwart.forking.fork_child`), writes its
 result (the report, the chain state the next delta extends, the search's state) to a private
 temp file and exits; the parent collects it before its next save, a load, a removal, or at the
-end of the fit.
+end of the fit. A process that exits with a save still in flight (a save made by hand after the
+fit, with nothing after it) waits for it first, so the file is there when the process is gone.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import pickle
 import tempfile
@@ -20,7 +23,11 @@ from typing import Any
 from stalwart.errors import BackgroundSaveError
 from stalwart.forking import fork_child
 
+log = logging.getLogger(__name__)
+
 _in_child = False
+#: The children not yet collected; the process waits for them before it exits.
+_in_flight: set[ForkedCall] = set()
 
 
 def in_child() -> bool:
@@ -43,6 +50,7 @@ class ForkedCall:
         os.close(descriptor)
         self.pid: int | None = fork_child(lambda: _run_in_child(function, self._result_path))
         self._status = 0
+        _in_flight.add(self)
 
     def done(self) -> bool:
         """Whether the child has finished (without waiting; the result is collected later)."""
@@ -56,6 +64,7 @@ class ForkedCall:
     def result(self) -> Any:
         """Wait for the child: its return value, or
         :class:`~stalwart.errors.BackgroundSaveError` with the child's error."""
+        _in_flight.discard(self)
         if self.pid is not None:
             _, self._status = os.waitpid(self.pid, 0)
             self.pid = None
@@ -70,6 +79,20 @@ class ForkedCall:
         if code != 0 or outcome != "ok":
             raise BackgroundSaveError(f"the background save of {self.what} failed: {value}")
         return value
+
+
+@atexit.register
+def _wait_for_children_at_exit() -> None:
+    # Without this the orphaned child still writes the file, but after the process is gone: a
+    # script that saves and exits, and whatever reads the file next, would not find it yet.
+    if not _in_flight:
+        return
+    log.info("waiting for %d background checkpoint save(s) to finish", len(_in_flight))
+    for call in list(_in_flight):
+        try:
+            call.result()
+        except BackgroundSaveError as error:
+            log.error("%s", error)  # too late to raise: the process is exiting
 
 
 def _run_in_child(function: Callable[[], Any], result_path: str) -> None:

@@ -93,7 +93,8 @@ class ChainWriter:
         background: run each save in a forked child while the caller goes on (training, under
             Lightning); :meth:`save` then returns None and the save's report, and the chain
             state the next delta extends, are collected at the next :meth:`save`,
-            :meth:`load`, :meth:`remove` or :meth:`wait`. The child scores on one thread at a
+            :meth:`load`, :meth:`remove` or :meth:`wait` (a process exiting with a save in
+            flight waits for its file first). The child scores on one thread at a
             lower priority, so its choices may differ in the last bits from a save that takes
             every core. CPU tensors only (a forked child cannot use CUDA).
 
@@ -140,7 +141,7 @@ class ChainWriter:
                 "background=False (each save then runs while the caller waits)."
             )
         self.background = background
-        self._pending: tuple[ForkedCall, Path, ConfigSearch | None] | None = None
+        self._pending: tuple[ForkedCall, ConfigSearch | None] | None = None
 
     def save(
         self,
@@ -163,7 +164,7 @@ class ChainWriter:
         call = ForkedCall(
             lambda: self._child_save(weights, extra, Path(path), request), what=str(path)
         )
-        self._pending = (call, Path(path), request.search)
+        self._pending = (call, request.search)
         return None
 
     def busy(self) -> bool:
@@ -177,25 +178,26 @@ class ChainWriter:
         was not written and the chain still ends at the file before)."""
         if self._pending is None:
             return None
-        (call, path, search), self._pending = self._pending, None
+        (call, search), self._pending = self._pending, None
         report, search_state = call.result()
         if search is not None and search_state is not None:
             search.load_state_dict(search_state)  # what the child's search chose
-        self._saved(report, path)
+        self._saved(report)
         return report
 
     def _child_save(
         self, weights: Mapping[str, torch.Tensor], extra: Any, path: Path, request: ShrinkRequest
     ) -> tuple[ShrinkReport, dict | None]:
-        report = self._save_now(weights, extra, path, request, collect=False)
+        report = self._save_now(weights, extra, path, request)
         return report, None if request.search is None else request.search.state_dict()
 
-    def _saved(self, report: ShrinkReport, path: Path, collect: bool = True) -> None:
+    def _saved(self, report: ShrinkReport) -> None:
+        """Note a written file (in a background save: in the child, and again in the parent
+        when it collects the report, since the child's notes die with it)."""
         self._note_choice(report)
         self.chain = report.chain
         self.reports.append(report)
-        if collect:
-            self.collect_retired(path.parent)
+        self.collect_retired(Path(report.path).parent)
 
     def _save_now(
         self,
@@ -203,7 +205,6 @@ class ChainWriter:
         extra: Any,
         path: Path,
         request: ShrinkRequest,
-        collect: bool = True,
     ) -> ShrinkReport:
         path.parent.mkdir(parents=True, exist_ok=True)
         previous = self.chain
@@ -237,7 +238,7 @@ class ChainWriter:
             optimizer_choice=self._reusable_choice(previous, request),
             coder=self.coder,
         )
-        self._saved(report, path, collect)
+        self._saved(report)
         return report
 
     def _reusable_choice(

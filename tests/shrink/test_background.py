@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -95,3 +97,40 @@ def test_a_background_save_killed_by_sigkill_is_reported_and_leaves_no_file(tmp_
         writer.save(_weights(2), None, tmp_path / "2.shrunk")  # the next call reports it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0.shrunk"]
     assert writer.chain.path == tmp_path / "0.shrunk"
+
+
+_SAVE_AND_EXIT = """
+import sys, time
+import torch
+from stalwart.shrink.chain import ChainWriter, ShrinkRequest
+
+def slow_once(weights, slept=[]):
+    if not slept:  # the child's first scoring takes a while; the parent exits meanwhile
+        slept.append(time.sleep(float(sys.argv[2])))
+    return 1.0
+
+writer = ChainWriter(tau=0.05, compress_optimizer="lossless", background=True)
+weights = {"w": torch.randn(200, 30, generator=torch.Generator().manual_seed(0))}
+writer.save(weights, {"epoch": 3}, sys.argv[1], ShrinkRequest(evaluate=slow_once))
+print("parent done at", time.monotonic(), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_process_that_exits_with_a_save_in_flight_waits_for_its_file(tmp_path):
+    # A save made by hand with nothing after it (no next save, no fit teardown to collect it):
+    # when the process is gone, its file must be there, whole.
+    path = tmp_path / "last.shrunk"
+    script = tmp_path / "save_and_exit.py"
+    script.write_text(_SAVE_AND_EXIT)
+    output = tmp_path / "output.txt"
+    with output.open("w") as sink:  # not a pipe: the child would hold it open, and run() wait
+        done = subprocess.run(
+            [sys.executable, str(script), str(path), "1.5"], stdout=sink, stderr=subprocess.STDOUT
+        )
+    assert done.returncode == 0, output.read_text()
+    parent_done = float(output.read_text().split("parent done at")[1].split()[0])
+    assert time.monotonic() - parent_done >= 1.5  # its exit waited for the child's slow scoring
+    weights, extra = shrink.load_with_extra(path)[:2]
+    assert extra == {"epoch": 3} and weights["w"].shape == (200, 30)
+    assert not list(tmp_path.glob("*.tmp*"))
