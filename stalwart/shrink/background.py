@@ -91,8 +91,8 @@ def _wait_for_children_at_exit() -> None:
     for call in list(_in_flight):
         try:
             call.result()
-        except BackgroundSaveError as error:
-            log.error("%s", error)  # too late to raise: the process is exiting
+        except Exception as error:  # too late to raise: the process is exiting
+            log.error("%s", error)
 
 
 def _run_in_child(function: Callable[[], Any], result_path: str) -> None:
