@@ -50,6 +50,7 @@ class ForkedCall:
         os.close(descriptor)
         self.pid: int | None = fork_child(lambda: _run_in_child(function, self._result_path))
         self._status = 0
+        self._parent = os.getpid()  # a process forked from this one later cannot wait for it
         _in_flight.add(self)
 
     def done(self) -> bool:
@@ -85,10 +86,11 @@ class ForkedCall:
 def _wait_for_children_at_exit() -> None:
     # Without this the orphaned child still writes the file, but after the process is gone: a
     # script that saves and exits, and whatever reads the file next, would not find it yet.
-    if not _in_flight:
+    ours = [call for call in _in_flight if call._parent == os.getpid()]
+    if not ours:
         return
-    log.info("waiting for %d background checkpoint save(s) to finish", len(_in_flight))
-    for call in list(_in_flight):
+    log.info("waiting for %d background checkpoint save(s) to finish", len(ours))
+    for call in ours:
         try:
             call.result()
         except Exception as error:  # too late to raise: the process is exiting
