@@ -214,17 +214,17 @@ def assert_children_reaped() -> None:
     raise RuntimeError(f"a child process was left behind (waitpid returned pid {pid})")
 
 
-def source_revision() -> str:
+def source_revision(root: Path = ROOT) -> str:
     """The git commit of the benchmarked checkout, marked dirty if stalwart/ has local changes."""
     try:
         commit = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
             capture_output=True,
             text=True,
             check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "stalwart"],
+            ["git", "-C", str(root), "status", "--porcelain", "stalwart"],
             capture_output=True,
             text=True,
             check=True,
@@ -897,6 +897,51 @@ def write_path_row(state_mb: float, reps: int) -> list[str]:
     ]  # fmt: skip
 
 
+#: The callback's hooks at a fit's start and end, where the record's fixed cost is spent.
+START_HOOKS = ("setup", "on_fit_start", "on_train_start")
+END_HOOKS = ("on_train_end", "teardown")
+
+
+def start_end(reps: int) -> None:
+    """What the record adds at a fit's start (the store, the hooks' fingerprints, ``init.ckpt``'s
+    copy) and end (the last writes, the run's row, the store's close), hook by hook over ``reps``
+    recorded fits of a ~1 MB state in 20 short epochs (the 1 MB / 0.1 s cell), in this process.
+    Run it with another checkout first on ``PYTHONPATH`` to compare two versions side by side."""
+    workload = Workload(" 1 MB", width=250, depth=3, batch_size=32, train_size=224, repeats=1,
+                        epochs=20)  # fmt: skip
+    seconds: dict[str, list[float]] = {hook: [] for hook in START_HOOKS + END_HOOKS}
+    fits = []
+    for rep in range(reps + 1):  # the first fit warms imports and caches: not counted
+        with tempfile.TemporaryDirectory(prefix="stalwart-bench-start-end-") as tmp:
+            callback = stalwart.HindsightCallback(dirpath=tmp, epsilon=EPSILON)
+            for hook in seconds:
+                setattr(callback, hook, _timed(getattr(callback, hook), seconds[hook], rep > 0))
+            start = time.perf_counter()
+            trainer(workload.epochs, [callback]).fit(workload.model(), workload.data())
+            if rep > 0:
+                fits.append(time.perf_counter() - start)
+    rows = [[hook, median_range([t * 1e3 for t in seconds[hook]])] for hook in seconds]
+    for name, hooks in (("start", START_HOOKS), ("end", END_HOOKS)):
+        sums = [sum(seconds[hook][i] for hook in hooks) * 1e3 for i in range(reps)]
+        rows.append([f"**{name}**", median_range(sums)])
+    checkout = Path(stalwart.__file__).parent.parent
+    print(f"\n== The record's start and end ({reps} fits of {median(fits):.2f} s, stalwart at "
+          f"{checkout}, {source_revision(checkout)})")  # fmt: skip
+    print(table(["callback hook", "ms (median, range)"], rows))
+
+
+def _timed(hook: Callable[..., Any], into: list[float], keep: bool) -> Callable[..., Any]:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return hook(*args, **kwargs)
+        finally:
+            if keep:
+                into.append(time.perf_counter() - start)
+
+    return timed
+
+
 def copy_path(sizes_mb: list[float], reps: int) -> None:
     """What the writer thread's copy of a checkpoint costs the training thread, interleaved: a
     fresh copy (allocated, then freed once written: a CPU state's copies) against a copy into
@@ -1229,6 +1274,11 @@ def main(argv: list[str] | None = None) -> None:
         "thread: a fresh copy against a copy into the buffers of the last one written",
     )  # fmt: skip
     parser.add_argument(
+        "--start-end", action="store_true",
+        help="only the record's cost at a fit's start and end, hook by hook (10 x --reps fits "
+        "of a ~1 MB state in 20 short epochs)",
+    )  # fmt: skip
+    parser.add_argument(
         "--out", default="record_overhead_matrix", help="matrix: folder of matrix.json "
         "(cells already in it are not measured again: an interrupted run resumes)",
     )  # fmt: skip
@@ -1250,6 +1300,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.write_path:
         write_path([float(v) for v in args.sizes.split(",")], reps=args.reps * 10)
+        return
+    if args.start_end:
+        start_end(reps=args.reps * 10)
         return
     if args.copy_path:
         copy_path([float(v) for v in args.sizes.split(",")], reps=args.reps * 10)

@@ -225,13 +225,16 @@ class HindsightStore:
         self.db_path = self.root / DB_NAME
         self._conn = _connect(self.db_path)
         if create:
-            # The id first, while still in rollback-journal mode, so it lands in the main file
-            # at once: a crash right after creation must not leave a database we disown.
-            self._conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-            self._conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            # The id, the schema version and the tables in one transaction while still in
+            # rollback-journal mode, so they land in the main file together: a crash right after
+            # creation must not leave a database we disown. One commit, not three: each costs
+            # its fsyncs, ~2 ms, part of every record's fixed start.
+            self._conn.executescript(
+                f"BEGIN; PRAGMA application_id = {APPLICATION_ID}; "
+                f"PRAGMA user_version = {SCHEMA_VERSION}; {_SCHEMA} COMMIT;"
+            )
             self._conn.execute("PRAGMA journal_mode = WAL")
             self._conn.execute("PRAGMA synchronous = NORMAL")
-            self._conn.executescript(_SCHEMA)
             sweep_torn_files(self.root)
 
     def close(self) -> None:
