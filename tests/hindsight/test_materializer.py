@@ -406,10 +406,13 @@ def spin_python(seconds: float) -> None:
 
 
 def test_python_slowdown_counts_the_lock_a_background_job_holds_not_its_free_cores():
-    lost, used = python_slowdown(lambda: spin_python(0.06))  # holds the interpreter lock
-    assert used >= 0.05 and lost >= 0.5 * used
-    lost, used = python_slowdown(lambda: time.sleep(0.06))  # holds nothing
-    assert used < 0.01 and lost < 0.04  # (the spin rate itself varies by a few per cent)
+    # Best and worst of three tries: a busy machine moves one measurement, not all three.
+    spinning = [python_slowdown(lambda: spin_python(0.06)) for _ in range(3)]  # holds the lock
+    assert all(used >= 0.05 for _, used in spinning)
+    assert max(lost / used for lost, used in spinning) >= 0.5, spinning
+    sleeping = [python_slowdown(lambda: time.sleep(0.06)) for _ in range(3)]  # holds nothing
+    assert all(used < 0.01 for _, used in sleeping)
+    assert min(lost for lost, _ in sleeping) < 0.04, sleeping  # (the spin rate varies a little)
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("a job that releases the lock needs a second core to run beside")
     data = os.urandom(32 * MB)  # hashing releases the lock: it runs on the other core
@@ -438,8 +441,10 @@ def test_with_cuda_in_use_the_probe_prices_the_writes_cpu_at_its_measured_share(
     # The probe prices either path's write at that share: a second of write CPU costs 0.25 ...
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setattr(materializer, "_write_cpu", lambda nbytes, directory: 1.0)
-    assert 0.25 <= materializer._copy_cost(MB, tmp_path) < 0.3
-    assert 0.25 <= materializer._fork_cost(MB, tmp_path) < 0.3
+    # (plus the copy, or the fork and its faults: the fork of a test process that has run many
+    # tests took 53 ms once; a share of 1 would price the write at a second)
+    assert 0.25 <= materializer._copy_cost(MB, tmp_path) < 0.5
+    assert 0.25 <= materializer._fork_cost(MB, tmp_path) < 0.5
     # ... while what the writes really used stands in whole until the slowdown is measured.
     materializer.submit(WriteJob({"w": torch.ones(1 << 16)}, tmp_path / "a.pt"))
     materializer.close()
