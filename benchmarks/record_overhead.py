@@ -175,7 +175,7 @@ ACCELERATOR = {"name": "cpu"}
 #: glibc's heap settings for the matrix's fresh processes (``--malloc``): ``pinned`` stops the
 #: heap from handing large freed buffers back to the system and faulting them in again, a churn
 #: that moved plain fits of 10-100 MB models by 10-30% with the process's history, and that a
-#: record's own allocations shift either way (docs/hindsight.md).
+#: record's own allocations shift either way (docs/measurements/hindsight.md).
 MALLOC = {"default": {}, "pinned": {"MALLOC_TRIM_THRESHOLD_": "4294967296",
                                     "MALLOC_MMAP_THRESHOLD_": "4294967296"}}  # fmt: skip
 CHILD_ENV: dict[str, str] = {}
@@ -947,8 +947,8 @@ def copy_path(sizes_mb: list[float], reps: int) -> None:
     fresh copy (allocated, then freed once written: a CPU state's copies) against a copy into
     the buffers of the last one written (``refill_copy``: a CUDA state's copies, into pinned
     memory), with the minor page faults each takes; CPU state, this process's heap as it comes.
-    Cheaper on the training thread is not cheaper for the fit: docs/hindsight.md has why a CPU
-    state's copies stay fresh."""
+    Cheaper on the training thread is not cheaper for the fit: docs/measurements/hindsight.md has
+    why a CPU state's copies stay fresh."""
     print(f"\n== Copy path: a checkpoint's copy for the writer thread ({reps} reps)")
     rows = [copy_path_row(state_mb, reps) for state_mb in sizes_mb]
     headers = ["checkpoint", "fresh copy ms (median, range)", "page faults",

@@ -21,7 +21,7 @@ def fork_child(work: Callable[[], None]) -> int:
 
     Nice 10, not Linux's ``SCHED_IDLE``: in an idle class a background shrink save beside
     training on every core got only the cycles training left, took 4-10x longer and cost training
-    as much (docs/shrink.md).
+    as much (docs/measurements/shrink.md).
 
     The child exits 0 when ``work`` returns and 1 when it raises (its traceback on stderr),
     with ``os._exit``: none of the parent's exit code (atexit handlers, Lightning's teardown)

@@ -40,7 +40,14 @@ def test_usage_code_blocks_run(tmp_path, page):
 
 
 def test_every_page_is_linked_from_the_index():
-    index = (ROOT / "docs" / "README.md").read_text()
-    for page in (ROOT / "docs").glob("*.md"):
-        if page.name != "README.md":
-            assert f"({page.name})" in index, page.name
+    docs = ROOT / "docs"
+    index = (docs / "README.md").read_text()
+    for page in docs.rglob("*.md"):  # the measurement logs under docs/measurements/ too
+        if page != docs / "README.md":
+            assert f"({page.relative_to(docs).as_posix()})" in index, page.name
+
+
+def test_every_measurement_log_is_linked_from_its_page():
+    for log in (ROOT / "docs" / "measurements").glob("*.md"):
+        page = (ROOT / "docs" / log.name).read_text()
+        assert f"(measurements/{log.name})" in page, log.name

@@ -66,8 +66,8 @@ class ShrinkCheckpoint(ModelCheckpoint):
             ``tau`` itself. Late in a decayed run training repairs a restore's damage slowly: on
             the char transformer with a cosine decay to a tenth, restores at a fixed
             ``tau=0.05`` ended +1.1..+2.4% behind in validation bpc over eight seeds, with this
-            within 1% on seven (at ~13% more bytes; docs/shrink.md). At a constant rate (or
-            without a scheduler) it changes nothing. False holds every save to ``tau``.
+            within 1% on seven (at ~13% more bytes; docs/measurements/shrink.md). At a constant
+            rate (or without a scheduler) it changes nothing. False holds every save to ``tau``.
         every_n_epochs: save every this many epochs (``every_n_train_steps`` also works).
         keyframe_every: a full checkpoint (no delta) every this many saves.
         compress_optimizer: ``"auto"`` (default: the moments' form chosen by the continuation
@@ -100,14 +100,14 @@ class ShrinkCheckpoint(ModelCheckpoint):
             ``"ans"``, ``"zstd"`` or ``"huffman"``.
         save_top_k: as in ``ModelCheckpoint``; default -1 (keep all: deltas are small).
         background: shrink each checkpoint in a forked child while training goes on, instead of
-            holding training for the search. It pays where training leaves a core idle (the
-            char transformer on one torch thread of two cores: training paid 0.06-0.47% of its
-            time for 12 saves, against ~3-4% with saves in the fit); beside training on every
-            core the child slows it about as much as a save in the fit (docs/shrink.md). The
-            child scores on one thread at a lower priority, so its choices may differ in the
-            last bits from a foreground save's; the file appears when it is done (a logger that
-            uploads checkpoints as they are saved would not find it yet), and the fit ends only
-            once the last one is written. CPU training only.
+            holding training for the search. It pays where training leaves a core idle (the char
+            transformer on one torch thread of two cores: training paid 0.06-0.47% of its time for
+            12 saves, against ~3-4% with saves in the fit); beside training on every core the child
+            slows it about as much as a save in the fit (docs/measurements/shrink.md). The child
+            scores on one thread at a lower priority, so its choices may differ in the last bits
+            from a foreground save's; the file appears when it is done (a logger that uploads
+            checkpoints as they are saved would not find it yet), and the fit ends only once the
+            last one is written. CPU training only.
         **kwargs: any other ``ModelCheckpoint`` argument (``filename``, ``monitor``...).
 
     Example::

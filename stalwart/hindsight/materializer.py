@@ -182,7 +182,7 @@ def refill_copy(into: Any, obj: Any) -> Any | None:
     fresh host memory was most of a GPU checkpoint's cost (138 ms for 250 MB on an H100, the
     copy itself 4.6 ms; docs/gpu.md). A CPU state's copies stay fresh: copies into the last
     one's buffers took the training thread 2-3x less time at 10-100 MB, but made whole fits
-    no faster at 1 MB and slower at 100 MB (docs/hindsight.md).
+    no faster at 1 MB and slower at 100 MB (docs/measurements/hindsight.md).
     """
     refiller = _Refiller()
     try:

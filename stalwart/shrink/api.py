@@ -266,7 +266,8 @@ def save(
     # Only the model's forwards and backwards gain from the idle cores. The codec's work (masks,
     # sketches, k-means, entropy coding) is many operations on tensors of ~10^4-10^5 elements that
     # torch's threads slow down: packing the char transformer's first moments took 0.23-0.35 s on
-    # training's one thread and 0.29-1.70 s on two (docs/shrink.md), so it stays on training's.
+    # training's one thread and 0.29-1.70 s on two (docs/measurements/shrink.md), so it stays on
+    # training's.
     evaluate, screen, continue_training = (
         None if function is None else every_core()(function)  # a fresh context per call
         for function in (evaluate, screen, continue_training)

@@ -59,7 +59,7 @@ def _search_from(search: ConfigSearch, previous: ChainState | None) -> None:
         # checkpoint's full search. Otherwise the neighbourhood's "never more aggressive" keeps a
         # chain at whatever one noisy checkpoint pushed it to (char transformer, seed 4: 12
         # levels from the fifth checkpoint to the last, 29.7x; searched afresh at the keyframe,
-        # 30.8x, docs/shrink.md).
+        # 30.8x, docs/measurements/shrink.md).
         search.previous = None
     elif previous.config is not None:
         # The file this delta extends is the truth about the last choice. A trainer's saved

@@ -101,10 +101,10 @@ LOSSLESS = MomentSetting("lossless", "lossless")
 #: No rung zeroes the first moment: a 4-step check passes it (a smaller first step even lowers the
 #: loss), but on the digits CNN restored after every epoch (~20 steps each) it ended 30% above the
 #: lossless optimizer's held-out loss, where "pruned" ended within 3% (tests/shrink and
-#: docs/shrink.md). The form stays available to a caller's own ladder. "sparse" (75% pruned) was
-#: measured through 5-7 restores on the digits CNN and the char transformer, 3 seeds each, before
-#: it became the first rung: final metric as with "pruned", whole checkpoints 32-41x instead of
-#: 24-32x (docs/shrink.md).
+#: docs/measurements/shrink.md). The form stays available to a caller's own ladder. "sparse" (75%
+#: pruned) was measured through 5-7 restores on the digits CNN and the char transformer, 3 seeds
+#: each, before it became the first rung: final metric as with "pruned", whole checkpoints 32-41x
+#: instead of 24-32x (docs/measurements/shrink.md).
 LADDER = (
     MomentSetting("sparse", "factored"),
     MomentSetting("pruned", "factored"),

@@ -14,7 +14,7 @@ loss near zero, where one image moves the relative degradation by several percen
 makes each false alarm permanent: with a ceiling on the fallback and neighbourhood steps to 64 and
 96 levels, the digits CNN's search kept climbing (64 levels by its tenth checkpoint in seed 1, 96 in
 seed 2; keyframes 6.5-7.3x in seeds 0-2); with neither, its keyframes were 8.2-14x in all five
-seeds at the same test accuracy (measured, docs/shrink.md).
+seeds at the same test accuracy (measured, docs/measurements/shrink.md).
 
 Per layer type (the spec's partition; opt-in): whenever the search had to move, the types are
 refined one at a time, largest first — fewer bins for that type alone while the bound holds and
@@ -23,23 +23,23 @@ sensitive one. The ceiling applies per type: no type is ever quantized more coar
 by the neighbourhood search (also when the previous configuration came from a file written with
 the refinement on).
 
-Scoring dominates the cost (93% of a char-transformer save). With a ``screen`` — the same loss on
-a small share of the scoring data — every candidate is first judged on the screen. An answer whose
+Scoring dominates the cost (93% of a char-transformer save). With a ``screen`` — the same loss on a
+small share of the scoring data — every candidate is first judged on the screen. An answer whose
 screened degradation is at most ``screen_accept * tau`` is taken on the screen alone: the margin
-covers the screen's error (measured on the char transformer, see docs/shrink.md), and scoring the
-uncompressed reference and the answer on the full batches was most of a later checkpoint's cost.
-An answer closer to the bound is scored on the full scoring batches; when that confirmation
-fails, the candidate is marked infeasible and the search resumes from what it already knows, so a
-confirmed configuration meets tau on the full scoring batches, whatever the screen said.
+covers the screen's error (measured on the char transformer, see docs/measurements/shrink.md), and
+scoring the uncompressed reference and the answer on the full batches was most of a later
+checkpoint's cost. An answer closer to the bound is scored on the full scoring batches; when that
+confirmation fails, the candidate is marked infeasible and the search resumes from what it already
+knows, so a confirmed configuration meets tau on the full scoring batches, whatever the screen said.
 
 The bound follows the learning rate (``lr_share``, :func:`learning_rate_share`; the adapters'
 ``tau_follows_lr``, on by default): a restore's damage is repaired by training, at the pace the
 learning rate sets. With a cosine decay to a tenth, the char transformer's restores at tau = 0.05
-left the final validation bpc +1.1..+2.4% behind the uncompressed run on eight seeds of eight;
-with the bound scaled by the rate's share of its initial value (at most 5x stricter), within 1%
-on seven of eight, at 29.4-32.1x instead of 33.0-35.8x (docs/shrink.md). Where nothing meets the
-scaled bound, the save is searched again at tau (:func:`run_within_bound`), never stored
-losslessly for it. At a constant rate nothing changes.
+left the final validation bpc +1.1..+2.4% behind the uncompressed run on eight seeds of eight; with
+the bound scaled by the rate's share of its initial value (at most 5x stricter), within 1% on seven
+of eight, at 29.4-32.1x instead of 33.0-35.8x (docs/measurements/shrink.md). Where nothing meets the
+scaled bound, the save is searched again at tau (:func:`run_within_bound`), never stored losslessly
+for it. At a constant rate nothing changes.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ from stalwart.shrink.quantize import QuantizedTensor, TensorAnalysis
 Evaluate = Callable[[Mapping[str, torch.Tensor]], float]
 
 # Measured on the char transformer (43 candidates of a 10-checkpoint run scored on the screen and
-# on the full batches, docs/shrink.md): the two differed by up to 0.36 tau near the bound, and the
-# 6 candidates screened within tau/2 were all within 0.39 tau on the full batches.
+# on the full batches, docs/measurements/shrink.md): the two differed by up to 0.36 tau near the
+# bound, and the 6 candidates screened within tau/2 were all within 0.39 tau on the full batches.
 DEFAULT_SCREEN_ACCEPT = 0.5
 #: The strictest the learning rate makes the weights' bound: a fifth of tau. Without a floor a
 #: schedule that ends at 0 would leave nothing within the bound and store the last checkpoints
@@ -106,7 +106,8 @@ def run_within_bound(search: ConfigSearch, *inputs: Any, **named: Any) -> Search
     The share is a preference for precision late in a decayed run; ``tau`` is the promise.
     Without the fallback the digits CNN (a cosine to 0, a held-out loss near zero) found nothing
     within a fifth of tau at its last checkpoint of seed 0 and stored it losslessly: the chain
-    came out 27.1x smaller than ``torch.save``, 42.8x with the fallback (docs/shrink.md).
+    came out 27.1x smaller than ``torch.save``, 42.8x with the fallback
+    (docs/measurements/shrink.md).
     """
     outcome = search.run(*inputs, **named)
     if outcome.config is not None or search.lr_share >= 1.0:

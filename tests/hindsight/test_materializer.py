@@ -239,8 +239,9 @@ def test_the_writer_thread_keeps_a_written_copy_only_when_asked_and_only_once_wr
 
 
 def test_a_cpu_states_copies_are_fresh_every_time(tmp_path):
-    """On CPU, copies into the last copy's buffers made whole fits slower (docs/hindsight.md):
-    each checkpoint's copy is new memory, and nothing is kept once written."""
+    """On CPU, copies into the last copy's buffers made whole fits slower
+    (docs/measurements/hindsight.md): each checkpoint's copy is new memory, and nothing is kept
+    once written."""
     materializer = ForkMaterializer(small_bytes=MB)
     recorder = Recorder(tmp_path / "index.tsv")
     state = {"w": torch.zeros(1000), "step": 0}

@@ -285,7 +285,7 @@ def test_a_save_scores_on_every_core_and_gives_training_its_threads_back(
 ):
     # Training waits while a checkpoint is shrunk: the search's forwards may use the cores it
     # leaves idle; the codec's many small tensor operations stay on training's thread count,
-    # where they ran faster and steadier than on two (docs/shrink.md).
+    # where they ran faster and steadier than on two (docs/measurements/shrink.md).
     seen = one_thread_of_three_cores
     quantized_on = []
     quantize = TensorAnalysis.quantize
