@@ -151,7 +151,7 @@ class PSConfig:
                 event.at_seconds <= 0 or (self.duration and event.at_seconds >= self.duration)
             ):
                 raise ConfigurationError(
-                    f"kill at {event.at_seconds} s is outside the run (duration "
+                    f"kill at {round(event.at_seconds, 3)} s is outside the run (duration "
                     f"{self.duration or 'unbounded'} s): schedule it after 0 s and before the "
                     "end, or lengthen the run."
                 )
@@ -166,10 +166,10 @@ class PSConfig:
                 if self.duration and fires >= self.duration:
                     down_from = self.kills[number - 1].at_seconds
                     raise ConfigurationError(
-                        f"the kill at {event.at_seconds} s can never fire: the PS killed at "
-                        f"{down_from} s is down until at least {earliest:g} s, and the run ends "
-                        f"at {self.duration:g} s. Schedule it earlier, shorten the downtimes, "
-                        "or lengthen the run."
+                        f"the kill at {round(event.at_seconds, 3)} s can never fire: the PS "
+                        f"killed at {round(down_from, 3)} s is down until at least "
+                        f"{round(earliest, 3)} s, and the run ends at {self.duration:g} s. "
+                        "Schedule it earlier, shorten the downtimes, or lengthen the run."
                     )
                 earliest = fires + event.downtime
             allowed = ("head", "secondary") if self.mode.startswith("chain") else ("ps",)

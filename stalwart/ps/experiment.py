@@ -23,10 +23,16 @@ import statistics
 import time
 
 from stalwart import durable
-from stalwart.errors import ConfigurationError, RunDirectoryError, StalwartError
+from stalwart.errors import (
+    ConfigurationError,
+    RunDirectoryError,
+    StalwartError,
+    StoreUnavailableError,
+)
 from stalwart.ps.config import MODES, KillEvent, PSConfig
 from stalwart.ps.result import PSRunResult
 from stalwart.ps.runner import run_training
+from stalwart.ps.store import connect
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,12 +90,21 @@ def run(args: argparse.Namespace) -> None:
         raise ConfigurationError(f"--kills {args.kills!r}: write counts like 0,1,2") from None
     if args.repeats < 1:
         raise ConfigurationError(f"--repeats {args.repeats}: run each setting at least once.")
+    if not 0 < args.target <= 1:
+        raise ConfigurationError(
+            f"--target {args.target}: a test accuracy between 0 and 1 (e.g. 0.9)."
+        )
+    # An explicit 0 is the user's value, not "unset": rejected below, never silently replaced.
+    if args.seconds is not None and args.seconds <= 0:
+        raise ConfigurationError(f"--seconds {args.seconds}: each run trains for > 0 seconds.")
+    if args.lr is not None and args.lr <= 0:
+        raise ConfigurationError(f"--lr {args.lr}: the SGD learning rate must be positive.")
     # Every mode trains for the same wall-clock time (the paper's x axis); a gradient budget
     # would favour the stateless workers, who never wait and spend theirs during the outage.
-    seconds = args.seconds or (8.0 if args.quick else 20.0)
+    seconds = args.seconds if args.seconds is not None else (8.0 if args.quick else 20.0)
     downtime = args.downtime if args.downtime is not None else (1.0 if args.quick else 2.0)
     hidden = 128 if args.quick else 512
-    lr = args.lr or (QUICK_LR if args.quick else EXPERIMENT_LR)
+    lr = args.lr if args.lr is not None else (QUICK_LR if args.quick else EXPERIMENT_LR)
     out = os.path.abspath(args.out)
     if os.path.isdir(out) and os.listdir(out):
         raise RunDirectoryError(f"{out} is not empty; choose a new --out directory.")
@@ -106,6 +121,8 @@ def run(args: argparse.Namespace) -> None:
                 )  # fmt: skip
                 config.validate()  # every bad option fails before the first run starts
                 configs.append(config)
+    if args.store is not None:
+        _check_store(args.store)
     results: list[PSRunResult] = []
     failures: list[str] = []
     started = time.time()
@@ -114,6 +131,11 @@ def run(args: argparse.Namespace) -> None:
               f"{config.seed}", flush=True)  # fmt: skip
         try:
             results.append(run_training(config, progress=lambda line: print(line, flush=True)))
+        except StoreUnavailableError as exc:
+            # The store is shared by every run: the ones left would wait for it in turn.
+            failures.append(f"{config.mode} with {len(config.kills)} kill(s): {exc}")
+            print(f"  FAILED: {exc}; the remaining runs are skipped", flush=True)
+            break
         except StalwartError as exc:  # one failed run must not throw away the others
             failures.append(f"{config.mode} with {len(config.kills)} kill(s): {exc}")
             print(f"  FAILED: {exc}", flush=True)
@@ -133,6 +155,24 @@ def run(args: argparse.Namespace) -> None:
         print(f"wrote {plot(results, os.path.join(out, 'accuracy.png'), args.target)}")
     if failures:
         raise StalwartError(f"{len(failures)} run(s) failed:\n" + "\n".join(failures))
+
+
+#: Seconds the store given by ``--store`` may take to answer before the experiment starts.
+STORE_CHECK_PATIENCE = 3.0
+
+
+def _check_store(address: str) -> None:
+    """Fail before the first run if the store at ``address`` does not answer: every run would
+    otherwise retry it for its whole patience, one after another."""
+    try:
+        store = connect(address, STORE_CHECK_PATIENCE, "ps-experiment")
+    except StoreUnavailableError:
+        raise ConfigurationError(
+            f"--store {address}: no store answered there within {STORE_CHECK_PATIENCE:g} s. "
+            "Start it first (a c10d TCPStore server, or give a redis://host:port/0 URL), or "
+            "leave --store out: each run then starts its own."
+        ) from None
+    store.close()
 
 
 def time_to_target_ratios(results: list[PSRunResult], target: float) -> dict:

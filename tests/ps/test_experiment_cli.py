@@ -69,3 +69,35 @@ def test_one_lucky_sample_does_not_reach_the_target():
     result = _result("stateless", 0, None)
     result.timeline.insert(1, {"t": 1.5, "accuracy": 0.99})
     assert result.time_to_accuracy(0.9) is None
+
+
+def test_explicit_zeros_and_impossible_targets_are_rejected_not_replaced(tmp_path, capsys):
+    # `--lr 0` used to be read as "unset" and replaced by the default rate: a run that the user
+    # asked not to learn reached 0.95 accuracy.
+    for option, value, said in (
+        ("--lr", "0", "learning rate must be positive"),
+        ("--seconds", "0", "trains for > 0 seconds"),
+        ("--target", "1.5", "between 0 and 1"),
+        ("--target", "0", "between 0 and 1"),
+    ):
+        out = tmp_path / f"{option[2:]}{value}"
+        assert main(["ps-experiment", "--out", str(out), option, value]) == 2
+        assert said in capsys.readouterr().err
+        assert not out.exists()  # nothing started
+
+
+def test_an_unreachable_store_fails_once_before_any_run(tmp_path, capsys):
+    import socket
+    import time
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = time.monotonic()
+    code = main(["ps-experiment", "--out", str(tmp_path / "s"), "--store", f"127.0.0.1:{port}"])
+    assert code == 2
+    # One short check, not every run retrying the store for its whole patience in turn.
+    assert time.monotonic() - started < 30
+    captured = capsys.readouterr()
+    assert f"--store 127.0.0.1:{port}: no store answered there" in captured.err
+    assert "[1/" not in captured.out
