@@ -84,21 +84,7 @@ def kill_schedule(mode: str, kills: int, downtime: float, seconds: float) -> lis
 def run(args: argparse.Namespace) -> None:
     """Run the experiment and write the plot and the table."""
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    try:
-        kill_counts = [int(k) for k in args.kills.split(",")]
-    except ValueError:
-        raise ConfigurationError(f"--kills {args.kills!r}: write counts like 0,1,2") from None
-    if args.repeats < 1:
-        raise ConfigurationError(f"--repeats {args.repeats}: run each setting at least once.")
-    if not 0 < args.target <= 1:
-        raise ConfigurationError(
-            f"--target {args.target}: a test accuracy between 0 and 1 (e.g. 0.9)."
-        )
-    # An explicit 0 is the user's value, not "unset": rejected below, never silently replaced.
-    if args.seconds is not None and args.seconds <= 0:
-        raise ConfigurationError(f"--seconds {args.seconds}: each run trains for > 0 seconds.")
-    if args.lr is not None and args.lr <= 0:
-        raise ConfigurationError(f"--lr {args.lr}: the SGD learning rate must be positive.")
+    kill_counts = _check_options(args)
     # Every mode trains for the same wall-clock time (the paper's x axis); a gradient budget
     # would favour the stateless workers, who never wait and spend theirs during the outage.
     seconds = args.seconds if args.seconds is not None else (8.0 if args.quick else 20.0)
@@ -155,6 +141,27 @@ def run(args: argparse.Namespace) -> None:
         print(f"wrote {plot(results, os.path.join(out, 'accuracy.png'), args.target)}")
     if failures:
         raise StalwartError(f"{len(failures)} run(s) failed:\n" + "\n".join(failures))
+
+
+def _check_options(args: argparse.Namespace) -> list[int]:
+    """The kill counts; a ConfigurationError naming the option for anything the runs cannot
+    honour (PSConfig.validate checks the rest, before the first run too)."""
+    try:
+        kill_counts = [int(k) for k in args.kills.split(",")]
+    except ValueError:
+        raise ConfigurationError(f"--kills {args.kills!r}: write counts like 0,1,2") from None
+    if args.repeats < 1:
+        raise ConfigurationError(f"--repeats {args.repeats}: run each setting at least once.")
+    if not 0 < args.target <= 1:
+        raise ConfigurationError(
+            f"--target {args.target}: a test accuracy between 0 and 1 (e.g. 0.9)."
+        )
+    # An explicit 0 is the user's value, not "unset": rejected, never silently replaced.
+    if args.seconds is not None and args.seconds <= 0:
+        raise ConfigurationError(f"--seconds {args.seconds}: each run trains for > 0 seconds.")
+    if args.lr is not None and args.lr <= 0:
+        raise ConfigurationError(f"--lr {args.lr}: the SGD learning rate must be positive.")
+    return kill_counts
 
 
 #: Seconds the store given by ``--store`` may take to answer before the experiment starts.
