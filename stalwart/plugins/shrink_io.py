@@ -29,7 +29,11 @@ class ShrinkCheckpointIO(CheckpointIO):
     lossless); everything else (loops, callbacks) losslessly. Loading follows the chain, so
     ``trainer.fit(ckpt_path=...)`` resumes from a shrunken file as from any other. A checkpoint
     that a later delta still needs is never deleted: ``remove_checkpoint`` retires it, and it is
-    deleted once nothing depends on it.
+    deleted once nothing depends on it. Nor is one overwritten: a path written again (such as
+    ``ModelCheckpoint(save_last=True)``'s ``last.ckpt``) keeps what a delta still needs aside,
+    and from then on is written as a file no later delta extends (see
+    :class:`~stalwart.shrink.chain.ChainWriter`; ``ShrinkCheckpoint`` writes its ``last.ckpt``
+    so from the start, as does ``storage_options=ShrinkRequest(side=True)``).
 
     Args:
         tau: quality bound when a save comes with an ``evaluate`` function

@@ -74,7 +74,8 @@ class ShrinkReport:
     ``"full"`` (the first checkpoint, a keyframe written by a :class:`ChainWriter`, or a later
     one whose neighbourhood had nothing within tau: it may then be more aggressive than the
     previous checkpoint's) or ``"neighbourhood"`` (never more aggressive); None when ``config``
-    was given.
+    was given. ``side``: written with ``side=True`` (no later save extends this file; ``chain``
+    is then the state of the file it is a delta on, or None for a keyframe).
     """
 
     path: str
@@ -97,6 +98,7 @@ class ShrinkReport:
     optimizer_bytes: int = 0
     optimizer_stored: int = 0
     optimizer: MomentChoice | None = None
+    side: bool = False
     chain: ChainState | None = field(default=None, repr=False)
 
     @property
@@ -197,6 +199,7 @@ def save(
     coder: str = DEFAULT_CODER,
     min_numel: int = MIN_QUANTIZED_NUMEL,
     small_tensors: str = "bfloat16",
+    side: bool = False,
 ) -> ShrinkReport:
     """Write ``state_dict`` shrunken to ``path``: quantized, delta-coded against ``previous``.
 
@@ -244,6 +247,11 @@ def save(
             on the char transformer they were 14% of the stored bits, half of it after rounding)
             or ``"lossless"``. Integer tensors, and everything when no configuration met tau,
             are stored losslessly.
+        side: a file no later save extends, for a path that is written again and again (such as
+            Lightning's ``last.ckpt``): a delta on a file that is later overwritten could not be
+            restored. It is written as usual (a delta on ``previous``), but ``report.chain``, and
+            the chain state a load of it gives, are ``previous``'s, so a save that continues
+            from it extends ``previous`` instead.
 
     Example::
 
@@ -283,7 +291,7 @@ def save(
     )  # fmt: skip
     return _write(
         state_dict, weights, path, chain, extra, compress_optimizer == "lossy", coder,
-        min_numel, start, moments,
+        min_numel, start, moments, side,
     )  # fmt: skip
 
 
@@ -434,6 +442,12 @@ def _moment_plan(
         for note in notes:
             warnings.warn(note, UserWarning, stacklevel=3)
         found.append(moments)
+    if not any(found):
+        # E.g. Adagrad's "sum", or only scalar parameters: a continuation check would compare
+        # the exact state with itself and "choose" a compressed setting that compresses nothing.
+        reason = "nothing to compress: no known moments with elements in the optimizer state"
+        plan.choice = MomentChoice(LOSSLESS, None, [], reason=reason)
+        return plan
     if kept is not None:
         reason = f"reused: continuation {kept.degradation:+.4f} at its last check"
         plan.choice = MomentChoice(kept.setting, None, [], reason=reason, reused=True)
@@ -460,6 +474,7 @@ def _write(
     min_numel: int,
     start: float,
     moments: _MomentPlan,
+    side: bool,
 ) -> ShrinkReport:
     sections = SectionWriter()
     entries: dict[str, dict] = {}
@@ -480,24 +495,26 @@ def _write(
     )
     header = _header(
         state_dict, weights, path, chain, extra, coder, entries, packed_extra, moments,
-        optimizer_stored,
+        optimizer_stored, side,
     )  # fmt: skip
     size, crc = sections.write(path, header, header["format"])
     # Header and framing are charged to the weights: the header is mostly their tensor table.
     extra_stored = sections.size - weight_stored
-    new_chain = ChainState(
-        path=path,
-        crc32=crc,
-        position=header["chain_position"],
-        since_keyframe=header["chain_position"],
-        shapes={name: tuple(t.shape) for name, t in state_dict.items()},
-        indices={name: (q.indices, q.alphabet) for name, q in weights.quantized.items()},
-        config=weights.config,
-        levels={name: q.levels for name, q in weights.quantized.items()},
-        optimizer_signature=moments.signature,
-    )
+    follow = chain  # what a following delta extends: a side file's base, else this file
+    if not side:
+        follow = ChainState(
+            path=path,
+            crc32=crc,
+            position=header["chain_position"],
+            since_keyframe=header["chain_position"],
+            shapes={name: tuple(t.shape) for name, t in state_dict.items()},
+            indices={name: (q.indices, q.alphabet) for name, q in weights.quantized.items()},
+            config=weights.config,
+            levels={name: q.levels for name, q in weights.quantized.items()},
+            optimizer_signature=moments.signature,
+        )
     return _report(
-        path, header, weights, chain, new_chain, size, size - extra_stored, start, moments,
+        path, header, weights, chain, follow, size, size - extra_stored, start, moments,
         optimizer_stored,
     )  # fmt: skip
 
@@ -507,7 +524,7 @@ def _report(
     header: dict,
     weights: _Weights,
     chain: ChainState | None,
-    new_chain: ChainState,
+    follow: ChainState | None,
     size: int,
     weight_stored: int,
     start: float,
@@ -535,7 +552,8 @@ def _report(
         optimizer_bytes=moments.raw_bytes,
         optimizer_stored=optimizer_stored,
         optimizer=moments.choice,
-        chain=new_chain,
+        side=bool(header["side"]),
+        chain=follow,
     )
 
 
@@ -579,6 +597,7 @@ def _header(
     packed_extra: dict | None,
     moments: _MomentPlan,
     optimizer_stored: int,
+    side: bool,
 ) -> dict:
     base = None
     if chain is not None:
@@ -593,6 +612,7 @@ def _header(
         "kind": "keyframe" if chain is None else "delta",
         "base": base,
         "chain_position": 0 if chain is None else chain.position + 1,
+        "side": side,  # no later save extends it (older readers ignore the key)
         "coder": coder,
         "config": None if weights.config is None else weights.config.to_dict(),
         "degradation": weights.degradation,

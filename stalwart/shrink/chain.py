@@ -24,8 +24,8 @@ from stalwart.shrink.api import (
     save,
 )
 from stalwart.shrink.background import ForkedCall
-from stalwart.shrink.codec import ChainState
-from stalwart.shrink.container import read_header
+from stalwart.shrink.codec import ChainState, superseded_path
+from stalwart.shrink.container import read_header, trailer_crc
 from stalwart.shrink.entropy import DEFAULT_CODER
 from stalwart.shrink.moments import MomentChoice, optimizer_signature, optimizer_states
 from stalwart.shrink.partition import QuantConfig
@@ -50,6 +50,10 @@ class ShrinkRequest:
     #: The run's share of its initial learning rate (``search.learning_rate_share``): the
     #: weights' search is held to ``tau * lr_share``.
     lr_share: float = 1.0
+    #: A file the chain does not extend, for a path that is written again and again (Lightning's
+    #: ``last.ckpt``): it is a delta on the chain's last file, which stays the chain's last file,
+    #: so no delta is ever written against a file that is later overwritten.
+    side: bool = False
 
 
 def _search_from(search: ConfigSearch, previous: ChainState | None) -> None:
@@ -98,6 +102,13 @@ class ChainWriter:
             lower priority, so its choices may differ in the last bits from a save that takes
             every core. CPU tensors only (a forked child cannot use CUDA).
 
+    A file written again at its path (Lightning's ``last.ckpt``) must never be the base of
+    another: a save with :attr:`ShrinkRequest.side`, or to a path this writer wrote before, is a
+    delta on the chain's last file that the chain does not extend (a run resumed from it extends
+    that file too). Where a live delta still needs what a path holds when it is written again
+    (a path the chain extended before it was written again), that content is first moved aside,
+    hidden as ``.<name>.superseded-<crc32>`` and retired, where loading the delta finds it.
+
     Example::
 
         chain = ChainWriter(keyframe_every=5)
@@ -142,6 +153,8 @@ class ChainWriter:
             )
         self.background = background
         self._pending: tuple[ForkedCall, ConfigSearch | None] | None = None
+        # Paths this writer has written: a path written again is a side save (see ShrinkRequest).
+        self._written: set[Path] = set()
 
     def save(
         self,
@@ -154,18 +167,29 @@ class ChainWriter:
         or None with ``background`` (see :meth:`wait`)."""
         self.wait()
         request = request or ShrinkRequest()
+        path = Path(path)
+        side = self._is_side(path, request)
+        self._written.add(_location(path))
         if not self.background:
-            return self._save_now(weights, extra, Path(path), request)
+            return self._save_now(weights, extra, path, request, side)
         if any(t.is_cuda for t in weights.values() if isinstance(t, torch.Tensor)):
             raise ConfigurationError(
                 "background saves fork a child, which cannot use CUDA, and these weights are "
                 "on the GPU; pass background=False (the save then runs while training waits)."
             )
         call = ForkedCall(
-            lambda: self._child_save(weights, extra, Path(path), request), what=str(path)
+            lambda: self._child_save(weights, extra, path, request, side), what=str(path)
         )
         self._pending = (call, request.search)
         return None
+
+    def _is_side(self, path: Path, request: ShrinkRequest) -> bool:
+        """Whether the save to ``path`` is one the chain does not extend from (see
+        :attr:`ShrinkRequest.side`): asked for, or a path this writer wrote before. Extending a
+        file that is written again would break the delta on it when it is."""
+        if self.chain is not None and _location(self.chain.path) == _location(path):
+            return False  # the chain's last file itself is replaced: the new one takes its place
+        return request.side or _location(path) in self._written
 
     def busy(self) -> bool:
         """Whether a background save is still running (it is not collected here)."""
@@ -173,9 +197,9 @@ class ChainWriter:
 
     def wait(self) -> ShrinkReport | None:
         """Collect the background save in flight, if any: its report (also appended to
-        :attr:`reports`), after which :attr:`chain` is the file it wrote. Raises
-        :class:`~stalwart.errors.BackgroundSaveError` if that save failed (its file
-        was not written and the chain still ends at the file before)."""
+        :attr:`reports`), after which :attr:`chain` is the file it wrote (a side save's: the
+        file before). Raises :class:`~stalwart.errors.BackgroundSaveError` if that save failed
+        (its file was not written and the chain still ends at the file before)."""
         if self._pending is None:
             return None
         (call, search), self._pending = self._pending, None
@@ -186,16 +210,21 @@ class ChainWriter:
         return report
 
     def _child_save(
-        self, weights: Mapping[str, torch.Tensor], extra: Any, path: Path, request: ShrinkRequest
+        self,
+        weights: Mapping[str, torch.Tensor],
+        extra: Any,
+        path: Path,
+        request: ShrinkRequest,
+        side: bool,
     ) -> tuple[ShrinkReport, dict | None]:
-        report = self._save_now(weights, extra, path, request)
+        report = self._save_now(weights, extra, path, request, side)
         return report, None if request.search is None else request.search.state_dict()
 
     def _saved(self, report: ShrinkReport) -> None:
         """Note a written file (in a background save: in the child, and again in the parent
         when it collects the report, since the child's notes die with it)."""
         self._note_choice(report)
-        self.chain = report.chain
+        self.chain = report.chain  # a side save's is the file it extends: the chain stays there
         self.reports.append(report)
         self.collect_retired(Path(report.path).parent)
 
@@ -205,6 +234,7 @@ class ChainWriter:
         extra: Any,
         path: Path,
         request: ShrinkRequest,
+        side: bool,
     ) -> ShrinkReport:
         path.parent.mkdir(parents=True, exist_ok=True)
         previous = self.chain
@@ -213,10 +243,11 @@ class ChainWriter:
         if previous is not None and (
             previous.position + 1 >= self.keyframe_every
             or not previous.path.exists()
-            or previous.path.resolve() == path.resolve()
+            or _location(previous.path) == _location(path)
             or {n: tuple(t.shape) for n, t in weights.items()} != previous.shapes
         ):
             previous = None
+        _set_aside_if_needed(path, self.chain)
         if request.search is not None:
             _search_from(request.search, previous)
             request.search.lr_share = request.lr_share
@@ -237,6 +268,7 @@ class ChainWriter:
             parameter_shapes=request.parameter_shapes,
             optimizer_choice=self._reusable_choice(previous, request),
             coder=self.coder,
+            side=side,
         )
         self._saved(report)
         return report
@@ -295,42 +327,146 @@ class ChainWriter:
         """Retire a checkpoint: deleted now if no live file depends on it, else once none does."""
         self.wait()  # the save in flight may be the file that still needs this one
         path = Path(path)
-        retired = self._retired(path.parent)
+        retired = _read_retired(path.parent)
         retired.add(path.name)
-        self._write_retired(path.parent, retired)
+        _write_retired(path.parent, retired)
         self.collect_retired(path.parent)
 
-    def _retired(self, directory: Path) -> set[str]:
-        try:
-            return set(json.loads((directory / RETIRED_FILE).read_text()))
-        except (FileNotFoundError, ValueError):
-            return set()
-
-    def _write_retired(self, directory: Path, names: set[str]) -> None:
-        durable.write_json(directory / RETIRED_FILE, sorted(names))
-
     def collect_retired(self, directory: Path) -> None:
-        """Delete retired files that no live file depends on, directly or through others."""
-        retired = self._retired(directory)
+        """Delete retired files that no live file depends on, directly or through others.
+
+        A live file whose chain cannot be followed (a base missing or replaced, bases in a loop)
+        may still need any of them, as far as anyone can tell: then nothing is deleted (a
+        warning names the file) until it is restorable again or removed.
+        """
+        retired = _read_retired(directory)
         if not retired:
             return
-        bases: dict[str, str | None] = {}
+        folder = _Folder.read(directory)
+        live = [name for name in folder.crcs if name not in retired]
+        live += _tip_names(self.chain, directory)
+        needed, broken = folder.needed_by(live)
+        if broken:
+            log.warning(
+                "%s: the base of %s was deleted or replaced, so it cannot be restored; no "
+                "retired checkpoint is deleted while it may need one. Remove it if it is beyond "
+                "repair.",
+                directory, ", ".join(sorted(broken)),
+            )  # fmt: skip
+            return
+        for name in sorted(retired - needed):
+            (directory / name).unlink(missing_ok=True)
+        _write_retired(directory, retired & needed)
+
+
+def _location(path: Path) -> Path:
+    """Where a write to ``path`` lands: its folder resolved, not a link at its name (a write
+    replaces the link itself, not the file it points to)."""
+    return path.parent.resolve() / path.name
+
+
+@dataclass
+class _Folder:
+    """Who depends on whom in one checkpoint folder: each shrunken file's CRC-32 and the base it
+    was written against, as (name, CRC-32); a base outside the folder is not followed."""
+
+    crcs: dict[str, int]
+    bases: dict[str, tuple[str, int] | None]
+
+    @classmethod
+    def read(cls, directory: Path) -> _Folder:
+        crcs: dict[str, int] = {}
+        bases: dict[str, tuple[str, int] | None] = {}
         for candidate in directory.iterdir():
             # A killed writer's temp file may hold a whole header: it is no file of the chain.
             if durable.is_temp(candidate) or not candidate.is_file():
                 continue
-            header = read_header(candidate)
-            if header is not None:
-                base = header.get("base")
-                bases[candidate.name] = None if base is None else Path(base["file"]).name
+            header, crc = read_header(candidate), trailer_crc(candidate)
+            if header is None or crc is None:
+                continue
+            crcs[candidate.name] = crc
+            base = header.get("base")
+            inside = base is not None and Path(base["file"]).parent == Path(".")
+            bases[candidate.name] = (base["file"], base["crc32"]) if inside else None
+        return cls(crcs, bases)
+
+    def needed_by(self, live: list[str]) -> tuple[set[str], set[str]]:
+        """The files ``live`` need (themselves included), and the files on their chains whose
+        base cannot be found (missing, replaced, or bases in a loop)."""
         needed: set[str] = set()
-        live = [name for name in bases if name not in retired]
-        if self.chain is not None:
-            live.append(self.chain.path.name)
-        for name in live:
+        broken: set[str] = set()
+        for root in live:
+            walked: list[str] = []
+            name: str | None = root
             while name is not None and name not in needed:
-                needed.add(name)
-                name = bases.get(name)
-        for name in sorted(retired - needed):
-            (directory / name).unlink(missing_ok=True)
-        self._write_retired(directory, retired & needed)
+                if name in walked or (name not in self.crcs and walked):
+                    broken.add(walked[-1])
+                    break
+                if name not in self.crcs:
+                    break  # a live name that is no readable file (the tip, deleted) needs nothing
+                walked.append(name)
+                name = self._base_of(name)
+            needed.update(walked)
+        return needed, broken
+
+    def _base_of(self, name: str) -> str | None:
+        """The file holding what ``name`` was written against (the file at its base's path, or
+        the copy set aside when that path was written again); None for a keyframe."""
+        base = self.bases.get(name)
+        if base is None:
+            return None
+        base_name, crc = base
+        if self.crcs.get(base_name) == crc:
+            return base_name
+        return superseded_path(Path(base_name), crc).name  # missing from crcs: broken
+
+
+def _set_aside_if_needed(path: Path, tip: ChainState | None) -> None:
+    """Before ``path`` is written again: if a live file is a delta on what it holds now
+    (directly or through others), move that aside (hidden, named by its CRC-32, where
+    :func:`~stalwart.shrink.codec.chain_files` finds it) so the delta stays restorable.
+
+    Side saves keep this from happening in ``ShrinkCheckpoint``; it happens where a caller
+    writes a path again that the chain extended, e.g. Lightning's ``last.ckpt`` through
+    :class:`~stalwart.plugins.ShrinkCheckpointIO` alone, once (from then on this writer
+    writes that path as a side save). The copy is retired: deleted once nothing needs it.
+    """
+    if path.is_symlink() or not path.is_file():
+        return  # writing over a link leaves the file it points to alone
+    directory = path.parent
+    folder = _Folder.read(directory)
+    if path.name not in folder.crcs:
+        return  # not a shrunken file
+    retired = _read_retired(directory)
+    live = [name for name in folder.crcs if name not in retired]
+    live += _tip_names(tip, directory)
+    needed, _ = folder.needed_by([name for name in live if name != path.name])
+    if path.name in needed:
+        kept = superseded_path(path, folder.crcs[path.name])
+        os.replace(path, kept)
+        durable.fsync_directory(directory)
+        retired.add(kept.name)
+        log.info("%s is written again; its former content is kept as %s: a delta needs it",
+                 path, kept.name)  # fmt: skip
+    if path.name in retired or path.name in needed:
+        retired.discard(path.name)  # the file about to be written is live
+        _write_retired(directory, retired)
+
+
+def _tip_names(tip: ChainState | None, directory: Path) -> list[str]:
+    """The chain's last file's name if it is in ``directory`` (live, even if retired: the
+    next delta extends it)."""
+    if tip is None or _location(tip.path).parent != directory.resolve():
+        return []
+    return [tip.path.name]
+
+
+def _read_retired(directory: Path) -> set[str]:
+    try:
+        return set(json.loads((directory / RETIRED_FILE).read_text()))
+    except (FileNotFoundError, ValueError):
+        return set()
+
+
+def _write_retired(directory: Path, names: set[str]) -> None:
+    durable.write_json(directory / RETIRED_FILE, sorted(names))

@@ -462,34 +462,96 @@ class ChainState:
     optimizer_signature: list | None = None
 
 
+def superseded_path(base_path: Path, crc32: int) -> Path:
+    """Where a file that was overwritten while a live delta still needed it is kept: hidden,
+    beside the new file, named by the content's CRC-32 that the delta records (see
+    :class:`~stalwart.shrink.chain.ChainWriter`)."""
+    return base_path.parent / f".{base_path.name}.superseded-{crc32:08x}"
+
+
+def _read_base(delta: Path, base_path: Path, crc32: int) -> Container:
+    """The base a delta was written against: the file at its path, or the copy kept aside when
+    that path was written again."""
+    kept = superseded_path(base_path, crc32)
+    if base_path.exists():
+        container = read_container(base_path)
+        if container.crc32 == crc32:
+            return container
+        if not kept.exists():
+            raise CorruptCheckpointError(
+                f"{delta} is a delta on {base_path}, but that file was replaced by a "
+                "different checkpoint (checksum differs); the delta cannot be restored."
+            )
+    elif not kept.exists():
+        raise CorruptCheckpointError(
+            f"{delta} is a delta on {base_path}, which is missing. A delta cannot be "
+            "restored without its base; restore the nearest keyframe or a later one instead "
+            "(`stalwart shrink inspect` lists the chain)."
+        )
+    container = read_container(kept)
+    if container.crc32 != crc32:
+        raise CorruptCheckpointError(
+            f"{delta} is a delta on {base_path}, kept as {kept.name}, but that copy's checksum "
+            "differs; the delta cannot be restored."
+        )
+    return container
+
+
 def chain_files(path: str | Path) -> list[Container]:
     """The verified files from the chain's keyframe up to ``path``."""
     files = [read_container(path)]
+    seen = {files[0].crc32}
     while files[-1].header["base"] is not None:
         base = files[-1].header["base"]
         base_path = files[-1].path.parent / base["file"]
-        if not base_path.exists():
+        container = _read_base(files[-1].path, base_path, base["crc32"])
+        if container.crc32 in seen:  # only files made by hand can loop: a base is older
             raise CorruptCheckpointError(
-                f"{files[-1].path} is a delta on {base_path}, which is missing. A delta cannot be "
-                "restored without its base; restore the nearest keyframe or a later one instead "
-                "(`stalwart shrink inspect` lists the chain)."
+                f"{path} cannot be restored: its chain of bases loops back at {base_path}. "
+                "Restore another file of the chain (`stalwart shrink inspect` lists them)."
             )
-        container = read_container(base_path)
-        if container.crc32 != base["crc32"]:
-            raise CorruptCheckpointError(
-                f"{files[-1].path} is a delta on {base_path}, but that file was replaced by a "
-                "different checkpoint (checksum differs); the delta cannot be restored."
-            )
+        seen.add(container.crc32)
         files.append(container)
     return files[::-1]
 
 
-def decode_chain(path: str | Path) -> tuple[Container, dict[str, torch.Tensor], ChainState]:
-    """Decode ``path``: its tensors, and the chain state a following delta would need."""
+def _chain_state(
+    container: Container,
+    indices: dict[str, tuple[torch.Tensor, int]],
+    levels: dict[str, torch.Tensor],
+    since_keyframe: int,
+) -> ChainState:
+    header = container.header
+    config = header.get("config")
+    return ChainState(
+        path=container.path,
+        crc32=container.crc32,
+        position=header["chain_position"],
+        since_keyframe=since_keyframe,
+        shapes={name: tuple(entry["shape"]) for name, entry in header["tensors"].items()},
+        indices=indices,
+        config=None if config is None else QuantConfig.from_dict(config),
+        levels=levels,
+        optimizer_signature=(header.get("optimizer") or {}).get("signature"),
+    )
+
+
+def decode_chain(
+    path: str | Path,
+) -> tuple[Container, dict[str, torch.Tensor], ChainState | None]:
+    """Decode ``path``: its tensors, and the chain state a following delta would need.
+
+    That state is ``path``'s own, except for a side file (written with ``side=True``, such as a
+    ``last.ckpt`` rewritten at every save): nothing may extend a file that will be overwritten,
+    so a following delta extends its base (None when it is a keyframe: a following save is one
+    too).
+    """
     files = chain_files(path)
+    side = bool(files[-1].header.get("side"))
     indices: dict[str, tuple[torch.Tensor, int]] = {}
     tensors: dict[str, torch.Tensor] = {}
     levels: dict[str, torch.Tensor] = {}
+    follow: ChainState | None = None
     for position, container in enumerate(files):
         header = container.header
         current: dict[str, tuple[torch.Tensor, int]] = {}
@@ -506,21 +568,13 @@ def decode_chain(path: str | Path) -> tuple[Container, dict[str, torch.Tensor], 
                 current[name] = (quantized.indices, quantized.alphabet)
                 levels[name] = quantized.levels
         indices = current
+        if side and position == len(files) - 2:
+            follow = _chain_state(container, indices, dict(levels), position)
     last = files[-1]
-    config = last.header.get("config")
-    state = ChainState(
-        path=last.path,
-        crc32=last.crc32,
-        position=last.header["chain_position"],
-        since_keyframe=len(files) - 1,
-        shapes={name: tuple(entry["shape"]) for name, entry in last.header["tensors"].items()},
-        indices=indices,
-        config=None if config is None else QuantConfig.from_dict(config),
-        levels=levels,
-        optimizer_signature=(last.header.get("optimizer") or {}).get("signature"),
-    )
+    if not side:
+        follow = _chain_state(last, indices, levels, len(files) - 1)
     ordered = {name: tensors[name] for name in last.header["order"]}
-    return last, ordered, state
+    return last, ordered, follow
 
 
 def entries_bytes(entries: Mapping[str, dict]) -> int:

@@ -147,3 +147,19 @@ def read_header(path: str | os.PathLike) -> dict | None:
             return json.loads(zstd_decompress(handle.read(header_length)))
     except (OSError, ValueError, CorruptCheckpointError):
         return None
+
+
+def trailer_crc(path: str | os.PathLike) -> int | None:
+    """The CRC-32 the file's trailer records, unverified (reads 20 bytes: for bookkeeping, such as
+    telling the file a delta was written against from one later written at the same path); None
+    if the file has no readable trailer."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            if handle.tell() < _PREFIX.size + _TRAILER.size:
+                return None
+            handle.seek(-_TRAILER.size, os.SEEK_END)
+            _, crc, end = _TRAILER.unpack(handle.read(_TRAILER.size))
+    except OSError:
+        return None
+    return crc if end == END_MAGIC else None

@@ -50,7 +50,9 @@ PRUNED_MOMENT_CONFIG = QuantConfig(bins=8, prune=0.5, prune_metric="magnitude", 
 # Further along the same line: three quarters zeroed, the largest quarter at 4 levels (~1.3 bits).
 SPARSE_MOMENT_CONFIG = QuantConfig(bins=4, prune=0.75, prune_metric="magnitude", protect=0.005)
 FIRST_MOMENT_CONFIGS = {
-    "quantized": FIRST_MOMENT_CONFIG, "pruned": PRUNED_MOMENT_CONFIG, "sparse": SPARSE_MOMENT_CONFIG
+    "quantized": FIRST_MOMENT_CONFIG,
+    "pruned": PRUNED_MOMENT_CONFIG,
+    "sparse": SPARSE_MOMENT_CONFIG,
 }
 # Half-octave grid for second moments: v = 2 ** (index / LOG_STEPS). The Adam step scales with
 # 1/sqrt(v), so rounding log2(v) to the nearest half moves it by at most 2 ** (1/8) - 1 = 9%.
@@ -176,24 +178,29 @@ def moments_of(
     """The compressible moments of one optimizer state dict, and why anything else is not.
 
     A tensor is a moment when its key is a known first or second moment, it is floating point,
-    and (when ``parameter_shapes`` is given) it has its parameter's shape; everything else stays
-    lossless, and the notes say what was kept so and why (one line each, for the user's log).
+    has at least one dimension and one element, and (when ``parameter_shapes`` is given) has its
+    parameter's shape; everything else stays lossless, and the notes say what was kept so and why
+    (one line each, for the user's log).
     """
     moments: list[Moment] = []
     unknown: set[str] = set()
     misshapen: set[str] = set()
+    too_small: set[str] = set()
     for parameter, per_parameter in state["state"].items():
         if not isinstance(per_parameter, Mapping):
             unknown.add(type(per_parameter).__name__)
             continue
         for key, value in per_parameter.items():
-            if not isinstance(value, torch.Tensor) or value.dim() == 0 or key == "step":
-                if key != "step":
-                    unknown.add(key)
+            if key == "step":
                 continue
             role = "first" if key in FIRST_MOMENTS else "second" if key in SECOND_MOMENTS else None
-            if role is None or not value.is_floating_point():
+            if role is None or not isinstance(value, torch.Tensor) or not value.is_floating_point():
                 unknown.add(key)
+                continue
+            if value.dim() == 0 or value.numel() == 0:
+                # A scalar's or an empty parameter's moment: no form stores it in fewer bytes
+                # (and none has a row or a quantile to compute).
+                too_small.add(key)
                 continue
             expected = None if parameter_shapes is None else parameter_shapes.get(parameter)
             if parameter_shapes is not None and (
@@ -206,6 +213,11 @@ def moments_of(
                 continue
             moments.append(Moment(key, parameter, role, value))
     notes = []
+    if too_small:
+        notes.append(
+            f"optimizer moments {sorted(too_small)} of scalar (0-dim) or empty parameters: "
+            "stored losslessly (nothing to compress)"
+        )
     if unknown:
         notes.append(f"optimizer state {sorted(unknown)} is not a known moment: stored losslessly")
     if misshapen:
