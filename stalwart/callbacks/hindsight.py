@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader
 
 from stalwart.callbacks.lightning_internals import (
     batches_completed,
@@ -21,9 +24,14 @@ from stalwart.callbacks.lightning_internals import (
     hook_dispatch_seconds,
     hook_epoch_boundary,
     is_last_batch,
+    release_epoch_start,
+    release_loaders_built,
+    resume_at_epoch_start,
     skip_unused_hooks,
     unhook_epoch_boundary,
+    when_loaders_built,
 )
+from stalwart.callbacks.loader_rng import LOADER_RNG_KEY, capture_loader_rng, restore_loader_rng
 from stalwart.callbacks.log_capture import LogCapture
 from stalwart.callbacks.loop_state import INNER_LOOP_END_KEY, capture_inner_loop_end
 from stalwart.callbacks.replay_loggers import describe_loggers
@@ -81,6 +89,9 @@ class HindsightCallback(Callback):
         self._dispatch_per_batch = 0.0
         self._first_batch = 0
         self._training_counted = False
+        self._loaders_checked: set[str] = set()
+        #: The training DataLoaders' generator states of the checkpoint a fit resumes from.
+        self._loader_rng: list[torch.Tensor] | None = None
         # Lightning would otherwise hand this callback every hook of every batch, each in a
         # profiler section: more than the record's own per-batch work costs.
         skip_unused_hooks(self)
@@ -108,11 +119,18 @@ class HindsightCallback(Callback):
     # -- lifecycle -------------------------------------------------------------------------
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit" or not trainer.is_global_zero:
+        if stage != "fit":
+            return
+        # On every rank: a fit resumed from one of the record's checkpoints starts the next
+        # epoch afresh, also with max_steps set (Lightning would restart the loops mid-epoch).
+        resume_at_epoch_start(trainer)
+        when_loaders_built(trainer, lambda: self._restore_loader_rng(trainer))
+        if not trainer.is_global_zero:
             return
         started = time.perf_counter()
         self._inner_loop_end = None
         self._rng_at_start = None
+        self._loaders_checked = set()
         datamodule = trainer.datamodule
         fingerprints = {
             "module": hook_fingerprints(pl_module),
@@ -153,6 +171,8 @@ class HindsightCallback(Callback):
             self._rng_at_start = capture_rng()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.recorder.recording:
+            self._warn_persistent_workers(trainer)
         if self.run_id is not None and trainer.ckpt_path is None:
             self.recorder.write_initial(
                 lambda: self._snapshot(trainer, rng=self._rng_at_start), trainer.global_step
@@ -201,6 +221,14 @@ class HindsightCallback(Callback):
             final=fit_ends_after_this_epoch(trainer),
         )
 
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Where neither the sanity check nor the first epoch validates, the validation loaders
+        # are built only now (the sanity check's are there at on_train_start, checked with the
+        # training loaders: one warning names both).
+        checked = "validation" in self._loaders_checked
+        if self.recorder.recording and not checked and not trainer.sanity_checking:
+            self._warn_persistent_workers(trainer)
+
     def should_checkpoint(self, trainer: Trainer, policy_says: bool) -> bool:
         """Override to force or veto checkpoints; by default the policy decides.
 
@@ -222,6 +250,8 @@ class HindsightCallback(Callback):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         unhook_epoch_boundary(trainer)
+        release_epoch_start(trainer)
+        release_loaders_built(trainer)
         if self._capture is not None:
             self._capture.detach()
             self._capture = None
@@ -235,6 +265,7 @@ class HindsightCallback(Callback):
         # Restored here, before the fit loop builds its dataloader iterator, which draws a seed.
         if RNG_KEY in checkpoint:
             restore_rng(checkpoint[RNG_KEY])
+        self._loader_rng = checkpoint.get(LOADER_RNG_KEY)
 
     def state_dict(self) -> dict[str, Any]:
         return self.recorder.state_dict()
@@ -257,9 +288,53 @@ class HindsightCallback(Callback):
         """The complete training state: Lightning's checkpoint plus every RNG state."""
         checkpoint = dump_checkpoint(trainer)
         checkpoint[RNG_KEY] = rng if rng is not None else capture_rng()
+        # Not for init.ckpt (rng given): training starts from the loaders' generators as the
+        # user's code builds them, and by on_train_start the first iterator has drawn from them.
+        loader_rng = capture_loader_rng(trainer) if rng is None else []
+        if loader_rng:
+            checkpoint[LOADER_RNG_KEY] = loader_rng
         if inner_loop_end is not None:
             checkpoint[INNER_LOOP_END_KEY] = inner_loop_end
         return checkpoint
+
+    def _restore_loader_rng(self, trainer: Trainer) -> None:
+        """The resumed checkpoint's DataLoader generator states, once the loaders exist."""
+        if self._loader_rng is not None:
+            restore_loader_rng(trainer, self._loader_rng)
+            self._loader_rng = None
+
+    def _warn_persistent_workers(self, trainer: Trainer) -> None:
+        """Warn, once a fit, where a training or validation DataLoader keeps its workers.
+
+        Persistent workers are seeded once, when their loader is first iterated (from a seed the
+        main process draws then, and only then), and their random state then runs on from epoch
+        to epoch inside the worker processes, where no checkpoint can hold it. A fit resumed
+        from an epoch checkpoint starts new workers from a seed drawn where the recorded run drew
+        none, so the data order and any augmentation differ from the record's from there on.
+        """
+        persistent = []
+        for kind, loaders in (
+            ("training", trainer.train_dataloader),
+            ("validation", trainer.val_dataloaders),
+        ):
+            if loaders is None or kind in self._loaders_checked:
+                continue  # validation loaders not built yet: checked when validation starts
+            self._loaders_checked.add(kind)
+            found: list[DataLoader] = []
+            apply_to_collection(loaders, DataLoader, found.append)
+            if any(loader.persistent_workers for loader in found):
+                persistent.append(kind)
+        if persistent:
+            self._loaders_checked |= {"training", "validation"}  # one warning a fit is enough
+            warnings.warn(
+                f"{self.recorder.name}: the {' and '.join(persistent)} DataLoader uses "
+                "persistent_workers=True: its worker processes are seeded once and keep their "
+                "random state from epoch to epoch, which no checkpoint holds, so a replay or a "
+                "resume from this record will not reproduce its data (order and augmentation) "
+                "bit for bit (a replay reports the differences as mismatches); pass "
+                "persistent_workers=False to the DataLoader for a record that replays exactly.",
+                stacklevel=2,
+            )
 
     def _finish(self, status: str) -> None:
         summary = self.recorder.finish(status)

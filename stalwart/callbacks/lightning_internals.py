@@ -6,8 +6,10 @@ equivalent, and each function says what it needs and why:
 - the complete checkpoint as a dict in memory (the hindsight materializer forks and writes it in
   the background; ``trainer.save_checkpoint`` only writes a file in the foreground);
 - the one exact resume point after an epoch (after the module's own epoch-end hook and the
-  epoch-interval LR step, where no callback hook runs), and whether the fit stops there (the fit
-  loop's own test, without the message it logs);
+  epoch-interval LR step, where no callback hook runs), whether the fit stops there (the fit
+  loop's own test, without the message it logs), and a resume from it that starts the next epoch
+  afresh whatever ``max_steps`` is (Lightning restarts the loops when it is set);
+- the moment a fit has built its training DataLoaders and not yet made their first iterator;
 - the hook a ``self.log`` call came from, and every raw ``self.log`` call (loggers only see
   reduced values);
 - a replayed epoch whose training batches are restored instead of run, and the loop counters it
@@ -32,6 +34,7 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.utilities import _is_max_limit_reached
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.trainer.states import RunningStage
@@ -44,6 +47,11 @@ LOOP_PROGRESS_KEYS = (
     "epoch_loop.manual_optimization.optim_step_progress",
     "epoch_loop.scheduler_progress",
 )
+
+#: Set in a checkpoint's fit-loop state (``loops["fit_loop"]``) when it was taken between epochs:
+#: a fit resuming from it starts the next epoch afresh (see :func:`resume_at_epoch_start`).
+#: Lightning's own loading ignores keys its loops do not have.
+EPOCH_START_KEY = "stalwart_epoch_start"
 
 
 #: Callback hooks Lightning calls per training batch under automatic optimization (batch start,
@@ -113,8 +121,75 @@ def hook_dispatch_seconds(trainer: Trainer, callback: Callback, repeats: int = 1
 
 
 def dump_checkpoint(trainer: Trainer) -> dict[str, Any]:
-    """Everything ``trainer.save_checkpoint`` would write, as a dict, without writing it."""
-    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    """Everything ``trainer.save_checkpoint`` would write, as a dict, without writing it.
+
+    Taken between epochs (no epoch started and not yet completed: before the first, or at the
+    epoch boundary), its fit-loop state is marked with :data:`EPOCH_START_KEY`.
+    """
+    checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    epoch = trainer.fit_loop.epoch_progress.current
+    if epoch.ready == epoch.started == epoch.processed == epoch.completed:
+        checkpoint["loops"]["fit_loop"][EPOCH_START_KEY] = True
+    return checkpoint
+
+
+def resume_at_epoch_start(trainer: Trainer) -> None:
+    """A fit resuming from a checkpoint :func:`dump_checkpoint` marked as taken between epochs
+    starts the next epoch afresh, as Lightning resumes it when ``max_steps`` is -1.
+
+    With ``max_steps`` set, Lightning restarts the loops from any checkpoint (an iteration-based
+    fit may have stopped mid-epoch: ``_FitLoop.restarting``'s setter), and a restart reads the
+    epoch loop's state at the boundary (its last batch done, ``is_last_batch``) as an epoch still
+    running: the next epoch runs no batch and the one after it starts at the same step, the fit
+    loop skips the first epoch's plateau LR step, and restarting from the first epoch's start
+    runs a phantom batch that shifts the loggers' step. Between epochs nothing is left to
+    restart: after Lightning's load the loops are set not to restart (as Lightning's own setter
+    sets them for a finished epoch when ``max_steps`` is -1). A checkpoint without the mark
+    (e.g. ``ModelCheckpoint``'s, mid-epoch) loads as Lightning loads it. The fit loop's
+    ``load_state_dict`` is wrapped on this trainer until :func:`release_epoch_start`.
+    """
+    loop = trainer.fit_loop
+    if "load_state_dict" in vars(loop):  # already wrapped (it is the same for every caller)
+        return
+    load = loop.load_state_dict
+
+    def load_state_dict(state_dict: dict, prefix: str = "") -> None:
+        load(state_dict, prefix)
+        if state_dict.get(prefix + EPOCH_START_KEY):
+            # _Loop's setter, not _FitLoop's (which forces True when max_steps is set); it
+            # passes the value on to the epoch, validation and optimization loops.
+            _Loop.restarting.fset(loop, False)
+
+    loop.load_state_dict = load_state_dict
+
+
+def release_epoch_start(trainer: Trainer) -> None:
+    vars(trainer.fit_loop).pop("load_state_dict", None)
+
+
+def when_loaders_built(trainer: Trainer, action: Callable[[], None]) -> None:
+    """Call ``action`` each time the fit has built its training DataLoaders, before it makes
+    their first iterator.
+
+    ``_FitLoop.setup_data`` builds the loaders and creates the first epoch's iterator at once,
+    before any hook runs (``on_train_start`` comes after; a resumed fit's first epoch uses that
+    iterator), and the iterator draws its worker seed from the loader's generator when it is
+    made. State that this draw must see is put back here: right after Lightning restores its own
+    stateful loaders' states (``_load_combined_loader_states``). Wrapped on this trainer until
+    :func:`release_loaders_built`.
+    """
+    loop = trainer.fit_loop
+    load_states = loop._load_combined_loader_states
+
+    def load_combined_loader_states() -> None:
+        load_states()
+        action()
+
+    loop._load_combined_loader_states = load_combined_loader_states
+
+
+def release_loaders_built(trainer: Trainer) -> None:
+    vars(trainer.fit_loop).pop("_load_combined_loader_states", None)
 
 
 def hook_epoch_boundary(
@@ -247,8 +322,11 @@ def replace_epoch_batches(
     after its last batch (the epoch-end hooks and LR step follow as usual).
 
     The training epoch loop's ``run`` is wrapped on this trainer until
-    :func:`release_epoch_batches`.
+    :func:`release_epoch_batches`. A replay's fit resumes from a record checkpoint, taken between
+    epochs: it starts the next epoch afresh whatever ``max_steps`` is
+    (:func:`resume_at_epoch_start`, released with the rest).
     """
+    resume_at_epoch_start(trainer)
     epoch_loop = trainer.fit_loop.epoch_loop
     run_batches = epoch_loop.run
 
@@ -268,6 +346,7 @@ def replace_epoch_batches(
 
 def release_epoch_batches(trainer: Trainer) -> None:
     vars(trainer.fit_loop.epoch_loop).pop("run", None)
+    release_epoch_start(trainer)
 
 
 def restore_loop_progress(trainer: Trainer, fit_loop_state: dict[str, Any]) -> None:

@@ -13,15 +13,18 @@ import copy
 from lightning.pytorch import Trainer
 
 from stalwart.callbacks.lightning_internals import restore_loop_progress
+from stalwart.callbacks.loader_rng import capture_loader_rng, restore_loader_rng
 from stalwart.rng import capture_rng, restore_rng
 
 INNER_LOOP_END_KEY = "stalwart_inner_loop_end"
 
 
 def capture_inner_loop_end(trainer: Trainer) -> dict:
-    """RNG, LR scheduler states and optimizer hyperparameters after the last training batch."""
+    """RNG (the DataLoaders' own generators too), LR scheduler states and optimizer
+    hyperparameters after the last training batch."""
     return {
         "rng": capture_rng(),
+        "loader_rng": capture_loader_rng(trainer),
         "lr_schedulers": [
             copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs
         ],
@@ -53,3 +56,5 @@ def restore_inner_loop_end(trainer: Trainer, checkpoint: dict) -> None:
             group.update(saved)
     restore_loop_progress(trainer, checkpoint["loops"]["fit_loop"])
     restore_rng(inner["rng"])
+    if inner.get("loader_rng"):  # absent from records made before it was captured
+        restore_loader_rng(trainer, inner["loader_rng"])

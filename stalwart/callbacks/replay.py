@@ -6,10 +6,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
-from stalwart.callbacks.lightning_internals import release_epoch_batches, replace_epoch_batches
+from stalwart.callbacks.lightning_internals import (
+    release_epoch_batches,
+    release_loaders_built,
+    replace_epoch_batches,
+    when_loaders_built,
+)
+from stalwart.callbacks.loader_rng import LOADER_RNG_KEY, restore_loader_rng
 from stalwart.callbacks.log_capture import LogCapture
 from stalwart.callbacks.loop_state import restore_inner_loop_end
 from stalwart.errors import ConfigurationError
@@ -138,6 +145,7 @@ class ReplayDriver(Callback):
         self._store: HindsightStore | None = None
         self._capture: LogCapture | None = None
         self._started = 0.0
+        self._loader_rng: list[torch.Tensor] | None = None
 
     @property
     def state_key(self) -> str:
@@ -151,6 +159,7 @@ class ReplayDriver(Callback):
             self._store, self.run_id, "replay", self.replay_id, keep=requested.__contains__
         )
         self._capture.attach(pl_module, trainer)
+        when_loaders_built(trainer, lambda: self._restore_loader_rng(trainer))
         replace_epoch_batches(
             trainer,
             skip=self.segment.memoized.__contains__,
@@ -161,6 +170,14 @@ class ReplayDriver(Callback):
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         restore_rng(checkpoint[RNG_KEY])
+        self._loader_rng = checkpoint.get(LOADER_RNG_KEY)
+
+    def _restore_loader_rng(self, trainer: Trainer) -> None:
+        # The checkpoint is loaded before the loaders exist, and their first iterator is made
+        # right after they are built, before any hook: in between is the one place for this.
+        if self._loader_rng is not None:
+            restore_loader_rng(trainer, self._loader_rng)
+            self._loader_rng = None
 
     def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
         self.batch_epochs.append(trainer.current_epoch)
@@ -176,6 +193,7 @@ class ReplayDriver(Callback):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         release_epoch_batches(trainer)
+        release_loaders_built(trainer)
         if self._capture is not None:
             self._capture.flush()
             self._capture.detach()

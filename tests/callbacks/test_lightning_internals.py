@@ -17,6 +17,7 @@ import tomllib
 import torch
 from digits import DigitsClassifier, DigitsDataModule
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loops.loop import _Loop
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -62,8 +63,12 @@ def fitted():
                 on_error=lambda: None,
             )
 
+        def on_train_batch_end(self, trainer, *args):
+            seen.setdefault("mid_epoch", internals.dump_checkpoint(trainer))
+
     trainer = L.Trainer(max_epochs=1, callbacks=[AtBoundary()], **QUIET)
     trainer.fit(DigitsClassifier(width=8), DigitsDataModule(batch_size=500))
+    assert internals.EPOCH_START_KEY not in seen["mid_epoch"]["loops"]["fit_loop"]
     return trainer, seen["checkpoint"]
 
 
@@ -78,6 +83,22 @@ def test_private_attributes_the_internals_use_exist(fitted):
         missing.append("_FitLoop.on_advance_end() taking no argument")
     if not isinstance(getattr(loop, "_can_stop_early", None), bool):
         missing.append("_FitLoop._can_stop_early (a bool property)")
+    # ShrinkCheckpoint overrides it: its last.ckpt is a side save (stalwart/callbacks/shrink.py).
+    save_last = getattr(ModelCheckpoint, "_save_last_checkpoint", None)
+    if not callable(save_last) or _params(save_last) != ["trainer", "monitor_candidates"]:
+        missing.append("ModelCheckpoint._save_last_checkpoint(trainer, monitor_candidates)")
+    load_states = getattr(loop, "_load_combined_loader_states", None)
+    if not callable(load_states) or _params(load_states):
+        missing.append("_FitLoop._load_combined_loader_states() taking no argument")
+    if _params(loop.load_state_dict) != ["state_dict", "prefix"]:
+        missing.append("_FitLoop.load_state_dict(state_dict, prefix)")
+    if getattr(vars(_Loop).get("restarting"), "fset", None) is None:
+        missing.append("_Loop.restarting (a property with a setter)")
+    if not all(
+        hasattr(loop.epoch_progress.current, name)
+        for name in ("ready", "started", "processed", "completed")
+    ):
+        missing.append("_FitLoop.epoch_progress.current.{ready,started,processed,completed}")
     epoch_loop = loop.epoch_loop
     if _params(epoch_loop.run) != ["data_fetcher"]:
         missing.append("_TrainingEpochLoop.run(data_fetcher)")
@@ -115,6 +136,31 @@ def test_an_epoch_checkpoint_holds_the_loop_state_restore_reads(fitted):
     for key in internals.LOOP_PROGRESS_KEYS:
         assert key in fit_loop, key
     assert "_batches_that_stepped" in fit_loop["epoch_loop.state_dict"]
+    assert fit_loop[internals.EPOCH_START_KEY] is True
+
+
+@pytest.mark.parametrize(
+    ("max_steps", "marked"), [(-1, True), (100, True), (100, False)], ids=["-1", "set", "unmarked"]
+)
+def test_a_state_taken_between_epochs_loads_without_restarting_whatever_max_steps(
+    fitted, max_steps, marked
+):
+    # Lightning restarts the loops from any state once max_steps is set (so the epoch the state
+    # finished is read as still running); from the record's state between epochs it must not.
+    _, checkpoint = fitted
+    state = dict(checkpoint["loops"]["fit_loop"])
+    if not marked:
+        del state[internals.EPOCH_START_KEY]
+    trainer = L.Trainer(max_epochs=3, max_steps=max_steps, **QUIET)
+    internals.resume_at_epoch_start(trainer)
+    trainer.fit_loop.load_state_dict(state)
+    restarting = max_steps != -1 and not marked  # Lightning's own, for a state it cannot place
+    assert trainer.fit_loop.restarting is restarting
+    assert trainer.fit_loop.epoch_loop.restarting is restarting
+    assert trainer.fit_loop.epoch_loop.val_loop.restarting is restarting
+    assert trainer.fit_loop.epoch_progress.current.completed == 1  # the load itself unchanged
+    internals.release_epoch_start(trainer)
+    assert "load_state_dict" not in vars(trainer.fit_loop)
 
 
 @pytest.mark.parametrize(
