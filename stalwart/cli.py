@@ -8,9 +8,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from stalwart.errors import ConfigurationError, StalwartError
@@ -86,11 +88,26 @@ def load_object(spec: str) -> Any:
     return obj
 
 
+@contextlib.contextmanager
+def _command_line(args: list[str]) -> Iterator[None]:
+    """``sys.argv`` as LightningCLI should read it: ``args`` after the program's name.
+
+    LightningCLI reads the command line itself; given ``args=`` while ``sys.argv`` holds the
+    whole ``stalwart ...`` line, it warns that both were given.
+    """
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "stalwart", *args]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
 def _replay(args: argparse.Namespace, rest: list[str]) -> None:
     from lightning.pytorch.cli import LightningCLI
 
     from stalwart.callbacks.replay import FunctionProbe
-    from stalwart.trainer import Trainer
+    from stalwart.trainer import Trainer, quiet_replay
 
     probe = load_object(args.probe) if args.probe else None
     if probe is not None and not hasattr(probe, "state_key") and callable(probe):
@@ -99,14 +116,18 @@ def _replay(args: argparse.Namespace, rest: list[str]) -> None:
                 "a function probe needs --hook, e.g. --hook on_train_epoch_end"
             )
         probe = FunctionProbe(args.hook, probe)
-    cli = LightningCLI(
-        trainer_class=Trainer, args=rest, run=False, save_config_callback=None,
-        subclass_mode_model=True, subclass_mode_data=True,
-    )  # fmt: skip
-    result = cli.trainer.replay(
-        cli.model, cli.datamodule, probe=probe, run=args.run, epochs=parse_epochs(args.epochs),
-        workers=args.workers, init=args.init, dirpath=args.dirpath, dry_run=args.dry_run,
-    )  # fmt: skip
+    with _command_line(rest):
+        cli = LightningCLI(
+            trainer_class=Trainer, run=False, save_config_callback=None,
+            subclass_mode_model=True, subclass_mode_data=True,
+        )  # fmt: skip
+    # The plan or summary is printed below, once, with what the command adds to it.
+    with quiet_replay():
+        result = cli.trainer.replay(
+            cli.model, cli.datamodule, probe=probe, run=args.run,
+            epochs=parse_epochs(args.epochs), workers=args.workers, init=args.init,
+            dirpath=args.dirpath, dry_run=args.dry_run,
+        )  # fmt: skip
     if args.dry_run:
         print(result)
         return
@@ -192,10 +213,11 @@ def main(argv: list[str] | None = None) -> int:
 
             from stalwart.trainer import Trainer
 
-            LightningCLI(
-                trainer_class=Trainer, args=argv, save_config_callback=None,
-                subclass_mode_model=True, subclass_mode_data=True,
-            )  # fmt: skip
+            with _command_line(argv):
+                LightningCLI(
+                    trainer_class=Trainer, save_config_callback=None,
+                    subclass_mode_model=True, subclass_mode_data=True,
+                )  # fmt: skip
             return 0
         args, rest = build_parser().parse_known_args(argv)
         if args.command == "replay":

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import lightning as L
@@ -13,16 +15,21 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_info
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader
 
 from stalwart.callbacks.hindsight import HindsightCallback
 from stalwart.callbacks.lightning_internals import detached_copy
-from stalwart.callbacks.replay import FunctionProbe, ReplayDriver, probe_level
+from stalwart.callbacks.replay import BATCH_LEVEL_HOOKS, FunctionProbe, ReplayDriver, probe_level
 from stalwart.callbacks.replay_loggers import lightning_points, write_to_loggers
 from stalwart.errors import ConfigurationError
 from stalwart.hindsight import replay as core
 from stalwart.hindsight.estimate import ReplayEstimate
 from stalwart.hindsight.plan import Segment
 from stalwart.hindsight.replay import Mismatch, ReplayResult
+
+#: Whether ``replay`` logs its plan (dry run) or summary; the CLI prints them itself.
+_ANNOUNCE: ContextVar[bool] = ContextVar("stalwart_replay_announce", default=True)
 
 
 class Trainer(L.Trainer):
@@ -154,9 +161,57 @@ def _replay(
     outcome = core.run_segments(
         setup, level, segments, replay_segment, dry_run=dry_run, targets=targets,
         logger_axis=lightning_points, also=lambda points: write_to_loggers(instances, points),
+        batch_hooks=BATCH_LEVEL_HOOKS, explain=lambda: _data_cause(model, datamodule),
     )  # fmt: skip
-    rank_zero_info(str(outcome) if dry_run else outcome.summary())
+    if _ANNOUNCE.get():
+        rank_zero_info(str(outcome) if dry_run else outcome.summary())
     return outcome
+
+
+@contextlib.contextmanager
+def quiet_replay() -> Iterator[None]:
+    """Within the block, ``replay`` returns its plan or result without logging it (for a caller
+    that prints it itself, such as the ``stalwart replay`` command)."""
+    token = _ANNOUNCE.set(False)
+    try:
+        yield
+    finally:
+        _ANNOUNCE.reset(token)
+
+
+def _data_cause(model: LightningModule, datamodule: LightningDataModule | None) -> str | None:
+    """Why replayed values differ where the data can tell: DataLoaders with persistent workers.
+
+    Their random state (a dataset's random augmentation) lives in worker processes that no
+    checkpoint captures, so an epoch replayed from a checkpoint draws other data than the record
+    did, whichever ``init``; workers started afresh each epoch are seeded from the RNG state that
+    checkpoints hold. Built here from a copy of the data, only once values have differed.
+    """
+    source = detached_copy(datamodule if datamodule is not None else model)
+    try:
+        source.setup("fit")
+    except Exception:  # data that can be set up only inside a fit: no cause known
+        return None
+    persistent = []
+    for kind, build in (("training", "train_dataloader"), ("validation", "val_dataloader")):
+        try:
+            loaders = getattr(source, build)()
+        except Exception:  # none defined, or built only inside a fit (it asks its Trainer)
+            continue
+        found: list[DataLoader] = []
+        apply_to_collection(loaders, DataLoader, found.append)
+        if any(loader.persistent_workers and loader.num_workers for loader in found):
+            persistent.append(kind)
+    if not persistent:
+        return None
+    return (
+        f"The {' and '.join(persistent)} DataLoader keeps its worker processes from epoch to "
+        "epoch (persistent_workers=True): their random state (e.g. a dataset's random "
+        "augmentation) is in no checkpoint, so an epoch replayed from one draws other data than "
+        "the record did, and init='strong' does not change that. Record with "
+        "persistent_workers=False (workers are then seeded from the checkpointed RNG each epoch) "
+        "to replay such epochs exactly."
+    )
 
 
 def _logger_instances(loggers: Any) -> list[Logger] | None:

@@ -69,11 +69,18 @@ def cli_in(cwd, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+def said_once(out: subprocess.CompletedProcess, text: str) -> bool:
+    """``text`` appears once in all the command printed, and LightningCLI did not warn that it
+    was given both ``args`` and a command line."""
+    return (out.stdout + out.stderr).count(text) == 1 and "args parameter" not in out.stderr
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
 def test_example_config_fits_and_replays_from_yaml(tmp_path, config):
     data = offline_data(config)
     fit = cli_in(tmp_path, "fit", "--config", str(config), "--trainer.max_epochs=2", *data)
     assert fit.returncode == 0, fit.stderr[-2000:]
+    assert "args parameter" not in fit.stderr
     record = next(tmp_path.glob("runs/*"))  # named by the config's HindsightCallback
     planned = cli_in(
         tmp_path, "replay", "--config", str(config), "--trainer.max_epochs=2",
@@ -82,6 +89,7 @@ def test_example_config_fits_and_replays_from_yaml(tmp_path, config):
     )  # fmt: skip
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert "replay plan for run_0001: inner-loop" in planned.stdout
+    assert said_once(planned, "replay plan for"), planned.stderr[-2000:]
     assert "grad_norm" not in planned.stdout  # nothing ran
     batches = planned.stdout.split(" training batches")[0].rsplit(" ", 1)[-1]
     replayed = cli_in(
@@ -90,6 +98,7 @@ def test_example_config_fits_and_replays_from_yaml(tmp_path, config):
     )  # fmt: skip
     assert replayed.returncode == 0, replayed.stderr[-2000:]
     assert "inner-loop" in replayed.stdout and "0 mismatch(es)" in replayed.stdout
+    assert said_once(replayed, "mismatch(es)"), replayed.stderr[-2000:]
     assert f", {batches} training batches" in replayed.stdout and "(estimated " in replayed.stdout
     assert "grad_norm (per epoch)" in replayed.stdout
     plot = cli_in(tmp_path, "runs", str(record), "--plot", "grad_norm", "--out", "g.png")

@@ -35,6 +35,7 @@ from stalwart.callbacks.loader_rng import LOADER_RNG_KEY, capture_loader_rng, re
 from stalwart.callbacks.log_capture import LogCapture
 from stalwart.callbacks.loop_state import INNER_LOOP_END_KEY, capture_inner_loop_end
 from stalwart.callbacks.replay_loggers import describe_loggers
+from stalwart.hindsight.checkpoint_file import checksum_file
 from stalwart.hindsight.fingerprint import hook_fingerprints
 from stalwart.hindsight.materializer import Materializer, tensor_bytes
 from stalwart.hindsight.policy import DEFAULT_EPSILON, DEFAULT_RESTORE_RATIO, JointInvariantPolicy
@@ -169,10 +170,11 @@ class HindsightCallback(Callback):
         # Before the fit loop builds epoch 0's data iterator, which draws from the RNG.
         with self.recorder.charged():
             self._rng_at_start = capture_rng()
+            self._note_resumed_file(trainer)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.recorder.recording:
-            self._warn_persistent_workers(trainer)
+            warn_persistent_workers(trainer, self._loaders_checked, self.recorder.name)
         if self.run_id is not None and trainer.ckpt_path is None:
             self.recorder.write_initial(
                 lambda: self._snapshot(trainer, rng=self._rng_at_start), trainer.global_step
@@ -227,7 +229,7 @@ class HindsightCallback(Callback):
         # training loaders: one warning names both).
         checked = "validation" in self._loaders_checked
         if self.recorder.recording and not checked and not trainer.sanity_checking:
-            self._warn_persistent_workers(trainer)
+            warn_persistent_workers(trainer, self._loaders_checked, self.recorder.name)
 
     def should_checkpoint(self, trainer: Trainer, policy_says: bool) -> bool:
         """Override to force or veto checkpoints; by default the policy decides.
@@ -297,46 +299,59 @@ class HindsightCallback(Callback):
             checkpoint[INNER_LOOP_END_KEY] = inner_loop_end
         return checkpoint
 
+    def _note_resumed_file(self, trainer: Trainer) -> None:
+        """A fit resumed with ``ckpt_path`` writes no ``init.ckpt``: a replay of its first epochs
+        starts from the file it resumed from (which may be a ``ModelCheckpoint``'s, outside the
+        record). Noted with its size and CRC-32 now, before training may overwrite it (a
+        ``last.ckpt``), so a replay can tell it from a later file of the same name."""
+        path = trainer.ckpt_path  # Lightning has resolved "last"/"best" and loaded it by now
+        if self.run_id is None or not isinstance(path, (str, os.PathLike)):
+            return
+        if os.path.isfile(path):
+            self.store.note_resumed_file(self.run_id, path, *checksum_file(path))
+
     def _restore_loader_rng(self, trainer: Trainer) -> None:
         """The resumed checkpoint's DataLoader generator states, once the loaders exist."""
         if self._loader_rng is not None:
             restore_loader_rng(trainer, self._loader_rng)
             self._loader_rng = None
 
-    def _warn_persistent_workers(self, trainer: Trainer) -> None:
-        """Warn, once a fit, where a training or validation DataLoader keeps its workers.
-
-        Persistent workers are seeded once, when their loader is first iterated (from a seed the
-        main process draws then, and only then), and their random state then runs on from epoch
-        to epoch inside the worker processes, where no checkpoint can hold it. A fit resumed
-        from an epoch checkpoint starts new workers from a seed drawn where the recorded run drew
-        none, so the data order and any augmentation differ from the record's from there on.
-        """
-        persistent = []
-        for kind, loaders in (
-            ("training", trainer.train_dataloader),
-            ("validation", trainer.val_dataloaders),
-        ):
-            if loaders is None or kind in self._loaders_checked:
-                continue  # validation loaders not built yet: checked when validation starts
-            self._loaders_checked.add(kind)
-            found: list[DataLoader] = []
-            apply_to_collection(loaders, DataLoader, found.append)
-            if any(loader.persistent_workers for loader in found):
-                persistent.append(kind)
-        if persistent:
-            self._loaders_checked |= {"training", "validation"}  # one warning a fit is enough
-            warnings.warn(
-                f"{self.recorder.name}: the {' and '.join(persistent)} DataLoader uses "
-                "persistent_workers=True: its worker processes are seeded once and keep their "
-                "random state from epoch to epoch, which no checkpoint holds, so a replay or a "
-                "resume from this record will not reproduce its data (order and augmentation) "
-                "bit for bit (a replay reports the differences as mismatches); pass "
-                "persistent_workers=False to the DataLoader for a record that replays exactly.",
-                stacklevel=2,
-            )
-
     def _finish(self, status: str) -> None:
         summary = self.recorder.finish(status)
         if summary is not None:
             rank_zero_info(summary)
+
+
+def warn_persistent_workers(trainer: Trainer, checked: set[str], name: str) -> None:
+    """Warn, once a fit (``checked``: the loader kinds looked at so far), where a training or
+    validation DataLoader keeps its workers.
+
+    Persistent workers are seeded once, when their loader is first iterated (from a seed the
+    main process draws then, and only then), and their random state then runs on from epoch
+    to epoch inside the worker processes, where no checkpoint can hold it. A fit resumed
+    from an epoch checkpoint starts new workers from a seed drawn where the recorded run drew
+    none, so the data order and any augmentation differ from the record's from there on.
+    """
+    persistent = []
+    for kind, loaders in (
+        ("training", trainer.train_dataloader),
+        ("validation", trainer.val_dataloaders),
+    ):
+        if loaders is None or kind in checked:
+            continue  # validation loaders not built yet: checked when validation starts
+        checked.add(kind)
+        found: list[DataLoader] = []
+        apply_to_collection(loaders, DataLoader, found.append)
+        if any(loader.persistent_workers for loader in found):
+            persistent.append(kind)
+    if persistent:
+        checked |= {"training", "validation"}  # one warning a fit is enough
+        warnings.warn(
+            f"{name}: the {' and '.join(persistent)} DataLoader uses "
+            "persistent_workers=True: its worker processes are seeded once and keep their "
+            "random state from epoch to epoch, which no checkpoint holds, so a replay or a "
+            "resume from this record will not reproduce its data (order and augmentation) "
+            "bit for bit (a replay reports the differences as mismatches); pass "
+            "persistent_workers=False to the DataLoader for a record that replays exactly.",
+            stacklevel=2,
+        )

@@ -169,7 +169,12 @@ class ReplayDriver(Callback):
     def on_load_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        restore_rng(checkpoint[RNG_KEY])
+        # A resumed run's first epochs start from the file it resumed from, which may be a
+        # ModelCheckpoint's, without RNG state: the recorded fit then went on with its process's
+        # RNG as seeded before the fit (HindsightCallback restores it only when present), and so
+        # does this one.
+        if RNG_KEY in checkpoint:
+            restore_rng(checkpoint[RNG_KEY])
         self._loader_rng = checkpoint.get(LOADER_RNG_KEY)
 
     def _restore_loader_rng(self, trainer: Trainer) -> None:

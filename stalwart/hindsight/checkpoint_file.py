@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,24 @@ from stalwart.errors import CorruptCheckpointError
 def write_checkpoint(obj: Any, path: str | os.PathLike) -> durable.WrittenFile:
     """``torch.save`` ``obj`` to ``path`` atomically and durably; keep the result in the index."""
     return durable.save_torch(obj, path, seal=False)
+
+
+def checksum_file(path: str | os.PathLike) -> tuple[int, int]:
+    """Size and CRC-32 of an existing file, as :func:`verify_checkpoint` checks them later.
+
+    For a ``torch.save`` archive (Lightning's checkpoints) the CRC-32 of its zip directory and
+    tail, which hold torch's CRC-32 of every record: reading the tail is enough. For any other
+    file the CRC-32 of all of it.
+    """
+    with open(path, "rb") as handle:
+        try:
+            return durable.zip_tail_checksum(handle)
+        except CorruptCheckpointError:
+            handle.seek(0)
+            nbytes = crc32 = 0
+            while chunk := handle.read(4 << 20):
+                nbytes, crc32 = nbytes + len(chunk), zlib.crc32(chunk, crc32)
+            return nbytes, crc32
 
 
 def verify_checkpoint(path: str | os.PathLike, nbytes: int, crc32: int) -> bytes:

@@ -60,18 +60,27 @@ class ReplayEstimate:
         return max(s.seconds for s in self.segments)
 
     def __str__(self) -> str:
+        own = self.run.store.run_dir(self.run.run_id)
+        # A resumed run's first epochs start from a file outside its own folder: say whose.
+        names = [
+            s.checkpoint.path.name
+            if s.checkpoint.path.parent == own
+            else f"{s.checkpoint.path.parent.name}/{s.checkpoint.path.name}"
+            for s in self.segments
+        ]
+        width = max(22, *(len(name) + 2 for name in names))
         lines = [
             f"replay plan for {self.run.name}: {self.level}-loop, {len(self.segments)} "
             f"segment(s), {self.batches}{'' if self.batches_known else '?'} training batches, "
             f"estimated {self.seconds:.1f}s (excluding trainer start-up)",
-            f"  {'segment':<8}{'from checkpoint':<22}{'epochs':<10}{'memoized':>9}"
+            f"  {'segment':<8}{'from checkpoint':<{width}}{'epochs':<10}{'memoized':>9}"
             f"{'batches':>9}{'est. s':>8}",
         ]
-        for index, s in enumerate(self.segments):
+        for index, (s, name) in enumerate(zip(self.segments, names, strict=True)):
             epochs = s.segment.epochs
             span = f"{epochs.start}..{epochs.stop - 1}" if len(epochs) else "-"
             lines.append(
-                f"  {index:<8}{s.checkpoint.path.name:<22}{span:<10}"
+                f"  {index:<8}{name:<{width}}{span:<10}"
                 f"{len(s.segment.memoized):>9}{s.batches:>9}{s.seconds:>8.1f}"
             )
         lines += [f"  cannot write to a logger of the record: {p}" for p in self.logger_problems]
@@ -96,8 +105,11 @@ def estimate_replay(
         .write_seconds
     )
 
+    # A resumed run's first start is a file this run did not write: priced as its own writes.
+    typical = float(write_seconds.median()) if len(write_seconds) else 0.0
+
     def restore(epoch: int) -> float:
-        return restore_ratio * float(write_seconds.get(epoch, 0.0))
+        return restore_ratio * float(write_seconds.get(epoch, typical))
 
     estimates = []
     for segment in segments:

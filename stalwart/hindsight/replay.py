@@ -12,73 +12,37 @@ import dataclasses
 import json
 import logging
 import multiprocessing
+import re
 import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import torch
 
-from stalwart.errors import ConfigurationError, ReplayError
+from stalwart import durable
+from stalwart.errors import (
+    ConfigurationError,
+    CorruptCheckpointError,
+    ReplayError,
+    RunDirectoryError,
+    RunNotFoundError,
+)
+from stalwart.hindsight.check import BatchMismatch, Mismatch, batch_check, deferred_check, hint
 from stalwart.hindsight.checkpoint_file import verify_checkpoint
 from stalwart.hindsight.estimate import ReplayEstimate, estimate_replay
 from stalwart.hindsight.fingerprint import hook_fingerprints
 from stalwart.hindsight.numerics import NUMERICS_KEY, recorded_numerics, restore_numerics
 from stalwart.hindsight.plan import Segment, plan_replay
-from stalwart.hindsight.store import CheckpointEntry, HindsightStore, Run
+from stalwart.hindsight.store import RESUMED_FILE_KEY, CheckpointEntry, HindsightStore, Run
 from stalwart.hindsight.writeback import LOGGERS_KEY, target_problem, write_back
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, repr=False)
-class Mismatch:
-    """A recorded metric the replay did not reproduce (Flor's deferred correctness check).
-
-    Printed, it is a one-line summary (how many values differ, the first, the largest
-    difference); the full series stay in ``recorded`` and ``replayed``.
-    """
-
-    name: str
-    epoch: int
-    recorded: list[float]
-    replayed: list[float]
-
-    @property
-    def differing(self) -> np.ndarray:
-        """Indices (in the shorter series) whose values differ; NaN equals NaN here."""
-        n = min(len(self.recorded), len(self.replayed))
-        a, b = np.asarray(self.recorded[:n], float), np.asarray(self.replayed[:n], float)
-        return np.flatnonzero((a != b) & ~(np.isnan(a) & np.isnan(b)))
-
-    @property
-    def max_difference(self) -> float:
-        """The largest absolute difference of the compared values (0.0: only lengths differ)."""
-        index = self.differing
-        if index.size == 0:
-            return 0.0
-        a, b = np.asarray(self.recorded, float), np.asarray(self.replayed, float)
-        return float(np.nanmax(np.abs(a[index] - b[index]), initial=0.0))
-
-    def __repr__(self) -> str:
-        index = self.differing
-        parts = [f"{self.name!r} epoch {self.epoch}: {index.size} of {len(self.recorded)} differ"]
-        if index.size:
-            first = int(index[0])
-            parts.append(
-                f"first at {first} ({self.recorded[first]!r} recorded, "
-                f"{self.replayed[first]!r} replayed), max |difference| {self.max_difference:.3g}"
-            )
-        if len(self.recorded) != len(self.replayed):
-            parts.append(f"{len(self.recorded)} recorded vs {len(self.replayed)} replayed values")
-        return f"Mismatch({', '.join(parts)})"
-
-    __str__ = __repr__
 
 
 @dataclass
@@ -92,6 +56,9 @@ class ReplayResult:
     batch_epochs: list[int]
     seconds: float
     mismatches: list[Mismatch] = field(default_factory=list)
+    #: Recorded values inside memoized epochs that the replay did not re-run (e.g. mid-epoch
+    #: validation with ``val_check_interval``): memoized epochs re-run only their epoch end.
+    not_rerun: int = 0
     #: The plan's cost estimate, made before the replay ran (see ``dry_run``).
     estimate: ReplayEstimate | None = None
     #: The loggers the replayed values were also written to (see ``loggers``).
@@ -107,11 +74,25 @@ class ReplayResult:
     def summary(self) -> str:
         """One line: the work done, the time it took next to the estimate, the deferred check."""
         estimated = f" (estimated {self.estimate.seconds:.1f}s)" if self.estimate else ""
-        return (
+        line = (
             f"replay {self.replay_id} of {self.run.name}: {self.level}-loop, "
             f"{len(self.segments)} segment(s), {self.batches_executed} training batches, "
             f"{self.seconds:.1f}s{estimated}, {len(self.mismatches)} mismatch(es)"
         )
+        short = [m for m in self.mismatches if isinstance(m, BatchMismatch)]
+        if short:
+            ran, recorded = (int(sum(m.replayed[0] for m in short)),
+                             int(sum(m.recorded[0] for m in short)))  # fmt: skip
+            line += (
+                f" (epoch(s) {', '.join(str(m.epoch) for m in short)} ran {ran} of the "
+                f"{recorded} training batches the record ran in them)"
+            )
+        if self.not_rerun:
+            line += (
+                f"; {self.not_rerun} recorded value(s) from inside memoized epochs not re-run "
+                "(only an epoch's end is)"
+            )
+        return line
 
     def metrics(self, name: str) -> pd.DataFrame:
         """The values this replay logged under ``name``: epoch, step, value, source, hook."""
@@ -129,6 +110,11 @@ class ReplaySetup:
     run: Run
     wanted: list[int]
     entries: dict[int, CheckpointEntry]
+    #: Why the state a resumed run started from cannot be replayed from (None: it can, or the
+    #: run did not resume).
+    unusable_start: str | None = None
+    #: The plan's ``init`` (set by :func:`plan`).
+    init: str = "weak"
 
 
 def prepare(
@@ -156,9 +142,82 @@ def prepare(
             f"{recorded_run.name} recorded no epoch."
         )  # fmt: skip
     entries = {e.epoch: e for e in recorded_run.checkpoints(include_initial=True)}
+    start, unusable = (
+        resumed_start(recorded_run, recorded_epochs[0]) if recorded_epochs else (None, None)
+    )
+    if start is not None:
+        entries.setdefault(start.epoch, start)
     if not entries:
-        raise ReplayError(f"{recorded_run.name} has no checkpoint to replay from.")
-    return ReplaySetup(store, recorded_run, wanted, entries)
+        raise ReplayError(
+            f"{recorded_run.name} has no checkpoint to replay from."
+            + (f" {unusable}" if unusable else "")
+        )
+    return ReplaySetup(store, recorded_run, wanted, entries, unusable)
+
+
+#: ``Run.resumed_from``: the record and run whose state the resumed fit loaded, and its epoch.
+_RESUMED_FROM = re.compile(r"^(?P<dirpath>.*)#(?P<run>run_\d+)@epoch=(?P<epoch>-?\d+)$")
+
+
+def resumed_start(run: Run, first_epoch: int) -> tuple[CheckpointEntry | None, str | None]:
+    """The state a resumed run started from, as a start for replays of its first epochs.
+
+    A fit resumed with ``ckpt_path`` writes no ``init.ckpt``: its first epochs replay from the
+    file it resumed from. That is the file the fit noted (the recording callback notes a local
+    ``ckpt_path`` with its size and CRC-32 before training), else the record's own checkpoint of
+    the state ``run.resumed_from`` names (records made before files were noted). Either is
+    checked whole against its size and CRC-32 here.
+
+    Returns ``(entry, None)``; ``(None, why)`` when the run resumed but that state cannot be
+    used; ``(None, None)`` for a run that did not resume.
+    """
+    noted = run.config.get(RESUMED_FILE_KEY)
+    named = _RESUMED_FROM.match(run.resumed_from or "")
+    if noted is None and named is None:
+        return None, None
+    epoch = int(named["epoch"]) if named else first_epoch - 1
+    state = f"the state after epoch {epoch} of {named['run']}" if named else "a checkpoint"
+    said = f"{run.name} resumed from {state}"
+    if noted is not None:
+        # Its global step is not known without loading it; nothing reads a start's step.
+        entry = CheckpointEntry(
+            run.run_id, epoch, -1, Path(noted["path"]), noted["nbytes"], noted["crc32"]
+        )
+    else:
+        entry = _recorded_checkpoint(run, named["dirpath"], named["run"], epoch)
+        if entry is None:
+            return None, (
+                f"{said} ({run.resumed_from}): that record holds no checkpoint of it, and the "
+                "fit did not note the file it resumed from (only a local ckpt_path is noted, "
+                "by records made with this version or later)."
+            )
+    if not entry.path.is_file():
+        return None, f"{said} in {entry.path}, which is gone; put it back to replay from it."
+    try:
+        durable.verify_file(entry.path, entry.nbytes, entry.crc32)
+    except CorruptCheckpointError:
+        when = "the fit resumed from it" if noted is not None else "it was written"
+        return None, (
+            f"{said} in {entry.path}, which no longer holds that state: its size or CRC-32 "
+            f"differ from when {when} (e.g. a last.ckpt the fit went on to overwrite)."
+        )
+    return entry, None
+
+
+def _recorded_checkpoint(run: Run, dirpath: str, name: str, epoch: int) -> CheckpointEntry | None:
+    """Run ``name``'s checkpoint of ``epoch`` in the record at ``dirpath`` (often ``run``'s)."""
+    same = Path(dirpath).expanduser().resolve() == run.store.root.resolve()
+    try:
+        store = run.store if same else HindsightStore(dirpath)
+    except (RunNotFoundError, RunDirectoryError):
+        return None  # that record is gone (or moved)
+    try:
+        return store.run(name).checkpoint(epoch)
+    except RunNotFoundError:
+        return None
+    finally:
+        if not same:
+            store.close()
 
 
 def check_same_model(
@@ -187,6 +246,13 @@ def edited_hooks(model: object, run: Run) -> set[str]:
 
 def plan(setup: ReplaySetup, level: str, workers: int, init: str) -> list[Segment]:
     """Plan the segments and verify every checkpoint one starts from (fail before any work)."""
+    first = min(setup.wanted, default=None)
+    if setup.unusable_start and first is not None and not any(e < first for e in setup.entries):
+        raise ReplayError(
+            f"no checkpoint before epoch {first} to start from: {setup.unusable_start} "
+            f"Replay epochs from {min(setup.entries) + 1} on, or re-record the run."
+        )
+    setup.init = init
     segments = plan_replay(setup.wanted, setup.entries, level, workers=workers, init=init)
     for segment in segments:
         entry = setup.entries[segment.resume_from]
@@ -203,6 +269,8 @@ def run_segments(
     targets: Sequence[dict] = (),
     logger_axis: Callable[[pd.DataFrame], pd.DataFrame] = lambda rows: rows,
     also: Callable[[pd.DataFrame], list[str]] = lambda points: [],
+    batch_hooks: Collection[str] = frozenset(),
+    explain: Callable[[], str | None] = lambda: None,
 ) -> ReplayResult | ReplayEstimate:
     """Run ``replay_segment(index, segment, replay_id)`` for every segment and collect results.
 
@@ -210,7 +278,10 @@ def run_segments(
     each with the record's numerics settings. Each segment stores its work in ``replay_work``.
     With ``dry_run`` nothing runs: the plan's :class:`ReplayEstimate` is returned instead.
 
-    Afterwards the replay's new series go to the record's loggers (``targets``, see
+    Afterwards the deferred check compares the replay with the record (see
+    :mod:`stalwart.hindsight.check`; ``batch_hooks`` are the framework's per-batch hooks), and
+    ``explain()``, asked only when replayed values differ, names a cause the adapter can tell.
+    The replay's new series go to the record's loggers (``targets``, see
     :mod:`stalwart.hindsight.writeback`), placed on their step axis by ``logger_axis``, and to
     ``also(points)``, which returns a description of each further logger it wrote to.
     """
@@ -235,22 +306,22 @@ def run_segments(
     )
     if len(work) != len(segments):
         raise ReplayError(f"replay {replay_id}: {len(segments) - len(work)} worker(s) failed.")
-    batch_epochs = [e for text in work.batch_epochs for e in json.loads(text)]
+    work["batch_epochs"] = work.batch_epochs.map(json.loads)
+    batch_epochs = [e for ran in work.batch_epochs for e in ran]
     result = ReplayResult(
         replay_id, recorded_run, level, segments, batch_epochs, seconds, estimate=estimate
     )
-    result.mismatches = deferred_check(store, recorded_run.run_id, replay_id, setup.wanted)
+    series, result.not_rerun = deferred_check(
+        store, recorded_run.run_id, replay_id, segments, setup.entries, batch_hooks
+    )
+    # An epoch that ran short explains the series that differ in it: it goes first.
+    result.mismatches = [*batch_check(recorded_run, segments, work), *series]
     if result.mismatches:
-        first = result.mismatches[0]
-        hint = (
-            "State the checkpoints missed may differ; try init='strong'."
-            if numerics
-            else "The record predates stored numerics settings (torch threads, deterministic "
-            "flags), so the replay may compute differently; re-record to compare exactly."
-        )
+        differ = any(m.differing.size for m in result.mismatches)
+        why = hint(result.mismatches, numerics, setup.init, explain() if differ else None)
         warnings.warn(
-            f"replay {replay_id} of {recorded_run.name} does not reproduce {len(result.mismatches)}"
-            f" recorded value series, first {first}. {hint}",
+            f"replay {replay_id} of {recorded_run.name} does not reproduce the record: "
+            f"{len(result.mismatches)} mismatch(es), first {result.mismatches[0]}. {why}",
             stacklevel=4,
         )
     points = logger_axis(new_series(result))
@@ -329,25 +400,3 @@ def _worker_main(
     # Set again in the child: a forked process's thread pool does not carry the parent's setting.
     restore_numerics(numerics)
     replay_segment(index, segment, replay_id)
-
-
-def deferred_check(
-    store: HindsightStore, run_id: int, replay_id: str, epochs: Sequence[int]
-) -> list[Mismatch]:
-    """Compare every recorded value series with the replayed one, per (name, epoch)."""
-    rows = store.query(
-        "SELECT name, epoch, value, source FROM metrics WHERE run_id = ? AND epoch IN"
-        f" ({','.join('?' * len(epochs))}) AND (source = 'record' OR replay_id = ?)"
-        " ORDER BY rowid",
-        (run_id, *epochs, replay_id),
-    )
-    mismatches = []
-    for (name, epoch), group in rows.groupby(["name", "epoch"], sort=True):
-        recorded = group[group.source == "record"].value.tolist()
-        replayed = group[group.source == "replay"].value.tolist()
-        if not recorded or not replayed:
-            continue  # only one side logged it: a new probe, or a memoized training metric
-        candidate = Mismatch(name, int(epoch), recorded, replayed)
-        if len(recorded) != len(replayed) or candidate.differing.size:
-            mismatches.append(candidate)
-    return mismatches

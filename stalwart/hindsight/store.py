@@ -30,6 +30,8 @@ APPLICATION_ID = 0x5354574C
 SCHEMA_VERSION = 1
 #: The checkpoint index's epoch for the state before the first epoch (``init.ckpt``).
 INITIAL_EPOCH = -1
+#: A run's config key for the file a resumed fit started from: path, nbytes and crc32 then.
+RESUMED_FILE_KEY = "resumed_from_file"
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 BUSY_TIMEOUT_MS = 30_000
 
@@ -282,6 +284,28 @@ class HindsightStore:
         self._conn.execute(
             "UPDATE runs SET resumed_from = ? WHERE run_id = ?", (resumed_from, run_id)
         )
+
+    def note_resumed_file(
+        self, run_id: int, path: str | os.PathLike, nbytes: int, crc32: int
+    ) -> None:
+        """Keep the file a resumed fit started from, with its size and CRC-32 before training.
+
+        A resumed fit writes no ``init.ckpt``: a replay of its first epochs starts from this file,
+        which may lie outside the record (a ``ModelCheckpoint``'s), and which the checksums tell
+        apart from a later file of the same name (a ``last.ckpt`` the fit went on to overwrite).
+        """
+        with self.batch():
+            (text,) = self._conn.execute(
+                "SELECT config FROM runs WHERE run_id = ?", (run_id,)
+            ).fetchone()
+            config = json.loads(text)
+            config[RESUMED_FILE_KEY] = {
+                "path": os.fspath(Path(path).resolve()), "nbytes": nbytes, "crc32": crc32,
+            }  # fmt: skip
+            self._conn.execute(
+                "UPDATE runs SET config = ? WHERE run_id = ?",
+                (json.dumps(config, default=repr, sort_keys=True), run_id),
+            )
 
     def finish_run(self, run_id: int, status: str) -> None:
         self._conn.execute(
