@@ -51,18 +51,34 @@ def _extra_bytes(packed: dict) -> int:
     return packed["skeleton"][1] + entries_bytes(dict(enumerate(packed["tensors"])))
 
 
+def _chain_files(target: Path) -> tuple[list[Path], list[tuple[Path, Path]]]:
+    """The folder's files, each once (oldest first), and its links as (link, the file listed).
+
+    Composer keeps ``latest-rank0.pt`` as a symlink to the newest file: counted as a file of its
+    own, it showed that checkpoint twice and counted its bytes twice in the totals.
+    """
+    entries = sorted(p for p in target.iterdir() if not p.name.startswith(".") and p.is_file())
+    listed = {p.resolve(): p for p in entries if not p.is_symlink()}
+    links = []
+    for link in (p for p in entries if p.is_symlink()):
+        # A link to a file outside the folder is that file's only entry here: it is listed.
+        file = listed.setdefault(link.resolve(), link)
+        if file != link:
+            links.append((link, file))
+    return sorted(listed.values(), key=lambda p: p.stat().st_mtime), links
+
+
 def inspect(args: argparse.Namespace) -> None:
     target = Path(args.path)
+    links: list[tuple[Path, Path]] = []
     if target.is_dir():
-        files = sorted(
-            (p for p in target.iterdir() if p.is_file() and not p.name.startswith(".")),
-            key=lambda p: p.stat().st_mtime,
-        )
+        files, links = _chain_files(target)
     elif target.exists():
         files = [target]
     else:
         raise ConfigurationError(f"{target} does not exist; pass a shrunken file or its directory")
     rows = [describe(p) for p in files if is_shrunk_file(p)]
+    links = [(link, file) for link, file in links if file.name in {r["file"] for r in rows}]
     if not rows:
         raise ConfigurationError(f"no shrunken checkpoints in {target}")
     print(
@@ -84,6 +100,8 @@ def inspect(args: argparse.Namespace) -> None:
             f"{row['config']}{' (full search)' if row['search'] == 'full' else ''} | "
             f"{row['optimizer_setting'] or 'lossless'}"
         )
+    for link, file in links:
+        print(f"{link.name} -> {file.name} (a link, counted once)")
     raw = sum(row["weight_bytes"] for row in rows)
     stored = sum(row["weight_stored"] for row in rows)
     whole = sum(row["raw_bytes"] for row in rows) / max(sum(row["bytes"] for row in rows), 1)
@@ -102,15 +120,54 @@ def inspect(args: argparse.Namespace) -> None:
         print("* degradation measured on the screen (accepted within its margin), not confirmed")
 
 
+def _is_composer(extra: object) -> bool:
+    """Whether ``extra`` is what Composer Shrink stores: Composer's checkpoint less its weights
+    (``state`` without ``model``, see ``stalwart.algorithms.Shrink._write``)."""
+    return (
+        isinstance(extra, dict)
+        and isinstance(extra.get("state"), dict)
+        and "timestamp" in extra["state"]
+        and "model" not in extra["state"]
+        and "pytorch-lightning_version" not in extra
+    )
+
+
 def restore(args: argparse.Namespace) -> None:
     source, out = Path(args.path), Path(args.out)
+    # Checked before decoding: a chain can take a while, and torch's own error is a traceback.
+    if not out.parent.is_dir():
+        raise ConfigurationError(
+            f"the folder {out.parent} for {out.name} does not exist; create it first "
+            f"(mkdir -p {out.parent}) or write OUT into an existing folder"
+        )
+    if out.is_dir():
+        raise ConfigurationError(
+            f"{out} is a folder; pass OUT as a file path such as {out}/plain.pt"
+        )
     if out.exists() and not args.force:
         raise ConfigurationError(f"{out} exists; pass --force to overwrite it")
+    if out.exists() and is_shrunk_file(out):
+        # Even with --force: a later delta may be written against it.
+        raise ConfigurationError(
+            f"{out} is a shrunken checkpoint (later deltas may need it); write OUT elsewhere"
+        )
+    if source.is_file() and not is_shrunk_file(source):
+        raise ConfigurationError(
+            f"{source} is not a shrunken checkpoint (torch.load reads it as it is); "
+            "`stalwart shrink restore` converts files written by ShrinkCheckpoint or Shrink"
+        )
     weights, extra, _ = load_with_extra(source)
     checkpoint = dict(extra or {})
-    checkpoint["state_dict"] = weights
+    if _is_composer(extra):
+        # Composer loads the weights from state["model"] and ignores any other key: weights
+        # anywhere else would resume the right step with the untrained model, silently.
+        checkpoint["state"] = {**extra["state"], "model": weights}
+        kind = "Composer"
+    else:
+        checkpoint["state_dict"] = weights
+        kind = "Lightning"
     written = durable.save_torch(checkpoint, out, seal=False)  # plain: torch.load reads it
-    print(f"wrote {out} ({written.nbytes} bytes): a plain Lightning checkpoint of {source}")
+    print(f"wrote {out} ({written.nbytes} bytes): a plain {kind} checkpoint of {source}")
 
 
 def add_arguments(commands: argparse._SubParsersAction) -> None:
@@ -119,7 +176,7 @@ def add_arguments(commands: argparse._SubParsersAction) -> None:
     look = actions.add_parser("inspect", help="the chain: kind, base, ratio, config per file")
     look.add_argument("path", help="a shrunken checkpoint or the directory holding a chain")
     look.set_defaults(func=inspect)
-    back = actions.add_parser("restore", help="write a plain Lightning checkpoint")
+    back = actions.add_parser("restore", help="write a plain Lightning or Composer checkpoint")
     back.add_argument("path")
     back.add_argument("out")
     back.add_argument("--force", action="store_true", help="overwrite OUT")
