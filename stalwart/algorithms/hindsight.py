@@ -181,6 +181,13 @@ def _attach(state: State, logger: Logger, destination: StoreDestination) -> None
         state.callbacks.append(destination)
 
 
+def _state_bytes(state: State) -> int:
+    """Tensor bytes of what a checkpoint holds (the policy's first cost probe sizes it)."""
+    return tensor_bytes(state.model.state_dict()) + tensor_bytes(
+        [optimizer.state_dict() for optimizer in state.optimizers]
+    )
+
+
 def composer_checkpoint(state: State) -> dict:
     """The object Composer's own checkpointing saves, so ``load_path`` reads it as its own."""
     return {"state": state.state_dict(), "rng": reproducibility.get_rng_state()}
@@ -288,6 +295,8 @@ class Hindsight(Algorithm):
         self._destination.on_close = lambda: self._finish("failed")
         self._loaded: dict | None = None
         self._first_epoch = True
+        #: Between an EPOCH_START and its EPOCH_CHECKPOINT: at FIT_END, the fit stopped inside.
+        self._in_epoch = False
         #: Composer's cost of handing each event to the destination (from FIT_START).
         self._dispatch: CallbackDispatch | None = None
 
@@ -335,20 +344,39 @@ class Hindsight(Algorithm):
                     recorder.write_initial(lambda: composer_checkpoint(state), 0)
                 recorder.train_started()
             recorder.epoch_started()
+            self._in_epoch = True
         elif event == Event.EPOCH_CHECKPOINT:
+            self._in_epoch = False
             step = int(state.timestamp.batch)
             recorder.epoch_ended(
                 int(state.timestamp.epoch) - 1,
-                state_bytes=lambda: (
-                    tensor_bytes(state.model.state_dict())
-                    + tensor_bytes([optimizer.state_dict() for optimizer in state.optimizers])
-                ),
+                state_bytes=lambda: _state_bytes(state),
                 veto=lambda policy_says: self.should_checkpoint(state, policy_says),
                 final=_ends_after_this_epoch(state),
             )
             recorder.materialize_due(lambda: composer_checkpoint(state), step)
         elif event == Event.FIT_END:
+            if self._in_epoch:
+                self._end_stopped_epoch(state)
             self._finish("completed")
+
+    def _end_stopped_epoch(self, state: State) -> None:
+        """Account the epoch the fit stopped in, as Lightning's epoch end does when
+        ``max_steps`` cuts one short.
+
+        A fit whose ``max_duration`` is in batches, samples or tokens (or that
+        ``state.stop_training()`` stops) ends inside an epoch, and Composer fires none of that
+        epoch's end events. Its batches ran and their values are recorded, so it is an epoch of
+        the record: its decision and batch count tell a replay that it exists and where the fit
+        stopped in it. Never checkpointed, whatever ``should_checkpoint`` says: its state is
+        not an epoch's end, and no replay starts after the fit's last epoch.
+        """
+        self.recorder.epoch_ended(
+            int(state.timestamp.epoch),
+            state_bytes=lambda: _state_bytes(state),
+            veto=lambda policy_says: False,
+            final=True,
+        )
 
     def _finish(self, status: str) -> None:
         summary = self.recorder.finish(status)
@@ -388,6 +416,7 @@ class Hindsight(Algorithm):
             self.recorder.load_state_dict(self._loaded)
             self._loaded = None
         self._first_epoch = True
+        self._in_epoch = False
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "recorder": self.recorder.state_dict()}
@@ -472,7 +501,9 @@ def _reference(
     """The factory's model (state and class) and the record's directory (default: its
     ``Hindsight``'s), from a Trainer built and closed without training."""
     with _replaying():
-        reference = trainer_factory(save_folder=None, loggers=[])
+        # A replay writes no checkpoint, and resumes from the record's file, not from the newest
+        # in a save folder: autoresume (which needs a save folder) is off too.
+        reference = trainer_factory(save_folder=None, autoresume=False, loggers=[])
     model = reference.state.model
     model_class = f"{type(model).__module__}.{type(model).__qualname__}"
     if dirpath is None:
@@ -563,6 +594,7 @@ def replay(
         dataclasses.replace(segment, memoized=frozenset())
         for segment in core.plan(setup, INNER, workers, init)
     ]
+    durations = _durations(setup, segments)  # read here: a worker must not use the store
 
     def replay_segment(index: int, segment: Segment, replay_id: str) -> None:
         driver = _ReplayDriver(
@@ -571,8 +603,9 @@ def replay(
         with _replaying():
             trainer = trainer_factory(
                 load_path=str(entries[segment.resume_from].path),
-                max_duration=f"{segment.last_epoch + 1}ep",
+                max_duration=durations[index],
                 save_folder=None,
+                autoresume=False,
                 loggers=[],  # the replayed values reach the user's loggers once, afterwards
             )
         trainer.state.algorithms.append(driver)
@@ -589,6 +622,21 @@ def replay(
     )
     log.info("%s", outcome if dry_run else outcome.summary())
     return outcome
+
+
+def _durations(setup: core.ReplaySetup, segments: list[Segment]) -> list[str]:
+    """Each segment's ``max_duration``: the end of its last epoch.
+
+    The segment that runs the record's last epoch stops at the batch where the recorded fit
+    stopped, which may be inside that epoch (``max_duration="30ba"``), where ``"3ep"`` would run
+    on to the epoch's end. At an epoch's end the two are one: Composer still runs the epoch's
+    end events when the batch limit falls on it.
+    """
+    stops = [setup.stop_step(segment) for segment in segments]
+    return [
+        f"{segment.last_epoch + 1}ep" if stop is None else f"{stop}ba"
+        for segment, stop in zip(segments, stops, strict=True)
+    ]
 
 
 def _ends_after_this_epoch(state: State) -> bool:

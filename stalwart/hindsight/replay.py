@@ -115,6 +115,30 @@ class ReplaySetup:
     unusable_start: str | None = None
     #: The plan's ``init`` (set by :func:`plan`).
     init: str = "weak"
+    #: The epochs whose end the record noted (every epoch a replay can run).
+    recorded: list[int] = field(default_factory=list)
+
+    def step_at_end(self, epoch: int, start: int) -> int | None:
+        """The global step at which the recorded fit ended ``epoch``: checkpoint ``start``'s
+        step plus the training batches every epoch after it ran (the epoch a fit stopped in
+        ran fewer than a whole one). None where the record cannot tell: a start whose step is
+        not known, or an epoch recorded before batch counts were kept."""
+        entry = self.entries.get(start)
+        if entry is None or entry.step < 0:
+            return None
+        ran = self.run.epoch_work().set_index("epoch").batches
+        epochs = range(start + 1, epoch + 1)
+        if any(e not in ran.index for e in epochs):
+            return None
+        return entry.step + int(sum(ran[e] for e in epochs))
+
+    def stop_step(self, segment: Segment) -> int | None:
+        """Where a replay segment stops: the step at which the recorded fit stopped, for the
+        segment that runs the record's last epoch (which may have stopped mid-epoch); None for
+        any other segment (it runs whole epochs) or where the record cannot tell."""
+        if not self.recorded or segment.last_epoch != self.recorded[-1]:
+            return None
+        return self.step_at_end(segment.last_epoch, segment.resume_from)
 
 
 def prepare(
@@ -133,7 +157,23 @@ def prepare(
     store = HindsightStore(dirpath, create=not dry_run)
     recorded_run = store.run(run)
     recorded_epochs = sorted(recorded_run.decisions().epoch.tolist())
+    entries = {e.epoch: e for e in recorded_run.checkpoints(include_initial=True)}
+    start, unusable = (
+        resumed_start(recorded_run, recorded_epochs[0]) if recorded_epochs else (None, None)
+    )
+    if start is not None:
+        entries.setdefault(start.epoch, start)
     wanted = recorded_epochs if epochs is None else sorted(set(epochs))
+    setup = ReplaySetup(store, recorded_run, wanted, entries, unusable, recorded=recorded_epochs)
+    # An epoch holding recorded values that no replay can run is said, never left out silently:
+    # a replay of "every epoch" used to return the others alone, and no mismatch showed it. Asked
+    # for by name it is an error; in "every epoch" (a failed run: the usual case to debug) the
+    # others are replayed and a warning says what is left out.
+    unended = unended_epochs(setup)
+    if unended and set(wanted) & set(unended):
+        raise ReplayError(_unended_reason(recorded_run, unended, recorded_epochs))
+    if unended and epochs is None:
+        warnings.warn(_unended_reason(recorded_run, unended, recorded_epochs), stacklevel=3)
     outside = sorted(set(wanted) - set(recorded_epochs))
     if outside:
         raise ReplayError(
@@ -141,18 +181,60 @@ def prepare(
             f"{recorded_epochs[0]}..{recorded_epochs[-1]}." if recorded_epochs else
             f"{recorded_run.name} recorded no epoch."
         )  # fmt: skip
-    entries = {e.epoch: e for e in recorded_run.checkpoints(include_initial=True)}
-    start, unusable = (
-        resumed_start(recorded_run, recorded_epochs[0]) if recorded_epochs else (None, None)
-    )
-    if start is not None:
-        entries.setdefault(start.epoch, start)
     if not entries:
         raise ReplayError(
             f"{recorded_run.name} has no checkpoint to replay from."
             + (f" {unusable}" if unusable else "")
         )
-    return ReplaySetup(store, recorded_run, wanted, entries, unusable)
+    return setup
+
+
+def unended_epochs(setup: ReplaySetup) -> list[int]:
+    """Epochs after the last one whose end the record noted, holding values the fit logged
+    while it trained in them: a replay cannot tell where such an epoch stopped.
+
+    In a run that did not complete (failed, or still running), that is every later epoch with
+    a value. A completed run notes the epoch it stopped in; one recorded before that was noted
+    holds values of it past the step where its last noted epoch ended, where a run that
+    stopped at an epoch's end holds only what the framework logs once the fit is over (a
+    Composer fit's closing counters, at that very step).
+    """
+    run, recorded = setup.run, setup.recorded
+    last = recorded[-1] if recorded else -1
+    rows = setup.store.query(
+        "SELECT epoch, max(step) AS step FROM metrics WHERE run_id = ? AND source = 'record'"
+        " AND epoch > ? GROUP BY epoch ORDER BY epoch",
+        (run.run_id, last),
+    )
+    if run.status != "completed" or rows.empty:
+        return [int(e) for e in rows.epoch]
+    starts = [e for e in setup.entries if e <= last]
+    end = setup.step_at_end(last, max(starts)) if starts else None
+    if end is None:
+        return []  # a record too old to tell where its epochs ended: nothing to compare with
+    return [int(e) for e in rows.epoch[rows.step > end]]
+
+
+def _unended_reason(run: Run, unended: list[int], recorded: list[int]) -> str:
+    """Why ``unended`` epochs cannot be replayed, and which epochs can."""
+    why = {
+        "failed": "the fit failed inside it",
+        "running": "the fit was still in it when the record was read (or its process died)",
+    }.get(
+        run.status,
+        "the record was made before stalwart noted the epoch a fit stops in; re-record the "
+        "run to replay it",
+    )
+    which = "epoch" if len(unended) == 1 else "epochs"
+    said = ", ".join(map(str, unended))
+    others = (
+        f"The epochs it did record can be replayed: epochs={recorded}." if recorded
+        else "No epoch of it can be replayed."
+    )  # fmt: skip
+    return (
+        f"{run.name} holds recorded values of {which} {said} but not where the fit stopped in "
+        f"it ({why}), so no replay can run it. {others}"
+    )
 
 
 #: ``Run.resumed_from``: the record and run whose state the resumed fit loaded, and its epoch.

@@ -88,6 +88,25 @@ def test_whole_run_replayed_from_the_initial_checkpoint(recorded, ground_truth):
     assert len(stalwart.hindsight.open(root).runs()) == 1  # replays record no run of their own
 
 
+def test_a_factory_that_autoresumes_replays_from_the_records_checkpoint(
+    recorded, ground_truth, tmp_path
+):
+    # Composer's documented resume: autoresume=True needs a save_folder, which a replay (it
+    # writes no checkpoint) leaves out; it used to fail ("save_folder must be specified").
+    _, factory = recorded
+
+    def autoresuming(**overrides):
+        return factory(
+            **{"save_folder": str(tmp_path), "autoresume": True, "run_name": "ar", **overrides}
+        )
+
+    result = replay(autoresuming, probe=WeightNormProbe(), epochs=[3])
+    assert result.mismatches == [] and [s.resume_from for s in result.segments] == [2]
+    replayed = result.metrics("probe/weight_norm").value.tolist()
+    assert replayed == ground_truth[3 * BATCHES : 4 * BATCHES]
+    assert list(tmp_path.iterdir()) == []  # nothing written to the save folder
+
+
 def test_lightning_and_composer_record_the_same_epochs_and_decisions(tmp_path):
     """The same 3-epoch digits training, recorded by each adapter with a checkpoint forced every
     epoch: the same checkpoints, the same decision table, and in both each decision prices a
