@@ -25,6 +25,15 @@ def _runs(args: argparse.Namespace) -> None:
     from stalwart.hindsight import open as open_store
     from stalwart.hindsight.figure import plot_metric
 
+    if args.plot and args.out:
+        # Checked before the record is read and plotted: matplotlib would only fail at the end,
+        # with a traceback from savefig.
+        folder = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(folder):
+            raise ConfigurationError(
+                f"--out: the folder {folder} for {os.path.basename(args.out)} does not exist; "
+                f"create it first (mkdir -p {folder}) or write the PNG into an existing folder."
+            )
     store = open_store(args.dirpath)
     if args.decisions:
         run = store.run(args.run)
@@ -103,11 +112,64 @@ def _command_line(args: list[str]) -> Iterator[None]:
         sys.argv = saved
 
 
-def _replay(args: argparse.Namespace, rest: list[str]) -> None:
+def _shrunk_hparams(path: str, *, weights_only: bool) -> dict:
+    """The ``hyper_parameters`` saved in a shrunken checkpoint (the file's own non-tensor part;
+    its weights and delta chain are not decoded: the fit that resumes from it does that)."""
+    from stalwart.shrink.codec import unpack_object
+    from stalwart.shrink.container import read_container
+
+    container = read_container(path)
+    packed = container.header.get("extra")
+    extra = unpack_object(container, packed, weights_only=weights_only) if packed else None
+    return dict((extra or {}).get("hyper_parameters") or {})
+
+
+def _lightning_cli(**kwargs: Any) -> Any:
+    """LightningCLI with :class:`stalwart.Trainer`, and a ``--ckpt_path`` that may name a
+    shrunken checkpoint (a ShrinkCheckpoint file).
+
+    Before it builds the model, LightningCLI reads the checkpoint's hyperparameters into the
+    config with ``torch.load``, which cannot read the shrunken format; for such a file they are
+    read with stalwart's loader instead, then merged the way Lightning merges them.
+    (Imported here, not at the top: ``stalwart runs`` should not wait for Lightning.)
+    """
     from lightning.pytorch.cli import LightningCLI
 
+    from stalwart.shrink.container import is_shrunk_file
+    from stalwart.trainer import Trainer
+
+    class StalwartCLI(LightningCLI):
+        def _parse_ckpt_path(self) -> None:
+            subcommand = self.config.get("subcommand")
+            ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+            if not ckpt_path or not is_shrunk_file(ckpt_path):
+                super()._parse_ckpt_path()
+                return
+            # `--weights_only false` is how a trusted file with custom objects is resumed.
+            trusted = self.config[subcommand].get("weights_only") is False
+            hparams = _shrunk_hparams(ckpt_path, weights_only=not trusted)
+            hparams.pop("_instantiator", None)
+            if not hparams:
+                return
+            if "_class_path" in hparams:
+                hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+            try:
+                self.config = self.parser.parse_object(
+                    {subcommand: {"model": hparams}}, self.config
+                )
+            except SystemExit:
+                sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")  # as Lightning
+                raise
+
+    return StalwartCLI(
+        trainer_class=Trainer, save_config_callback=None,
+        subclass_mode_model=True, subclass_mode_data=True, **kwargs,
+    )  # fmt: skip
+
+
+def _replay(args: argparse.Namespace, rest: list[str]) -> None:
     from stalwart.callbacks.replay import FunctionProbe
-    from stalwart.trainer import Trainer, quiet_replay
+    from stalwart.trainer import quiet_replay
 
     probe = load_object(args.probe) if args.probe else None
     if probe is not None and not hasattr(probe, "state_key") and callable(probe):
@@ -117,10 +179,7 @@ def _replay(args: argparse.Namespace, rest: list[str]) -> None:
             )
         probe = FunctionProbe(args.hook, probe)
     with _command_line(rest):
-        cli = LightningCLI(
-            trainer_class=Trainer, run=False, save_config_callback=None,
-            subclass_mode_model=True, subclass_mode_data=True,
-        )  # fmt: skip
+        cli = _lightning_cli(run=False)
     # The plan or summary is printed below, once, with what the command adds to it.
     with quiet_replay():
         result = cli.trainer.replay(
@@ -209,15 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, os.getcwd())
     try:
         if argv and argv[0] in LIGHTNING_COMMANDS:
-            from lightning.pytorch.cli import LightningCLI
-
-            from stalwart.trainer import Trainer
-
             with _command_line(argv):
-                LightningCLI(
-                    trainer_class=Trainer, save_config_callback=None,
-                    subclass_mode_model=True, subclass_mode_data=True,
-                )  # fmt: skip
+                _lightning_cli()
             return 0
         args, rest = build_parser().parse_known_args(argv)
         if args.command == "replay":

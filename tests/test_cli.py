@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +112,39 @@ def test_replay_cli_rejects_a_bad_probe_spec(tmp_path):
     out = cli_in(tmp_path, "replay", "--config", str(config), "--probe", "no_such_module:Probe")
     assert out.returncode == 2
     assert "cannot be imported" in out.stderr
+
+
+def test_fit_resumes_from_a_shrunken_ckpt_path_and_continues_its_chain(tmp_path, monkeypatch):
+    """The resume command in digits_shrink.yaml's header: LightningCLI reads the checkpoint's
+    hyperparameters before it builds the model, and the file is a ShrinkCheckpoint one.
+    (In this process, through ``main``: two console-script starts would cost most of the time.)"""
+    from stalwart.cli import main
+    from stalwart.shrink.container import read_header
+
+    monkeypatch.chdir(tmp_path)  # the config's checkpoint and record folders are relative
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main puts the cwd on it
+    config = str(ROOT / "examples" / "configs" / "digits_shrink.yaml")
+    short = ["--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2"]
+    short += ["--trainer.enable_progress_bar=false"]
+    # A model unlike the config's: the resume builds the right one only from the file's
+    # hyperparameters (with the config's sizes, its weights would not load).
+    small = ["--model.init_args.channels=4", "--model.init_args.hidden=32"]
+    assert main(["fit", "--config", config, "--trainer.max_epochs=1", *short, *small]) == 0
+    folder = tmp_path / "checkpoints" / "digits_cnn"
+    first = folder / "epoch=0-step=4.ckpt"
+    resume = ["fit", "--config", config, "--trainer.max_epochs=2", *short]
+    assert main([*resume, "--ckpt_path", str(first)]) == 0
+    header = read_header(folder / "epoch=1-step=8.ckpt")
+    assert header is not None and header["base"] is not None  # a delta, not a new keyframe
+    assert Path(header["base"]["file"]).name == first.name
+
+
+def test_plot_to_a_missing_folder_is_a_clear_error_before_plotting(tmp_path, capsys):
+    from stalwart.cli import main
+
+    fit_digits([HindsightCallback(dirpath=tmp_path / "runs")], epochs=1)
+    out = tmp_path / "nodir" / "x.png"
+    assert main(["runs", str(tmp_path / "runs"), "--plot", "train_loss", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("stalwart: error: ") and str(out.parent) in err
+    assert not out.parent.exists()

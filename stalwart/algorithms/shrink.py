@@ -24,8 +24,9 @@ from composer.core import Algorithm, Callback, Event, State
 from composer.loggers import Logger
 
 from stalwart.algorithms import composer_internals
+from stalwart.algorithms.hindsight import _REPLAYING
 from stalwart.errors import ConfigurationError
-from stalwart.shrink.api import ShrinkReport
+from stalwart.shrink.api import ShrinkReport, load_with_extra
 from stalwart.shrink.chain import ChainWriter, ShrinkRequest
 from stalwart.shrink.entropy import DEFAULT_CODER
 from stalwart.shrink.gradients import GradientEMA
@@ -147,6 +148,8 @@ class Shrink(Algorithm):
         self._held_out: list[Any] | None = None
         self.continue_steps = continue_steps
         self._recent: deque[Any] = deque(maxlen=continue_steps)
+        #: Set per Trainer at INIT: a Trainer that a hindsight replay builds writes no checkpoint.
+        self.passive = False
 
     def __repr__(self) -> str:
         return f"Shrink(tau={self.tau}, keyframe_every={self.writer.keyframe_every})"
@@ -157,13 +160,22 @@ class Shrink(Algorithm):
         return self.writer.reports
 
     def match(self, event: Event, state: State) -> bool:
-        if event in (Event.INIT, Event.AFTER_LOAD, Event.BATCH_END):
+        if event == Event.INIT:  # decided per Trainer: one instance may serve record and replay
+            self.passive = _REPLAYING.get()
+        if event in (Event.INIT, Event.AFTER_LOAD):
+            return True
+        if self.passive:  # nothing will be saved: no batches or gradients to collect for it
+            return False
+        if event == Event.BATCH_END:
             return True
         return event == Event.AFTER_BACKWARD and self._in_window(state)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.INIT:
-            self._open(state)
+            if self.passive:
+                self._open_for_replay(state)
+            else:
+                self._open(state)
         elif event == Event.AFTER_LOAD:
             composer_internals.reading(None)  # the Trainer has loaded its load_path (if any)
         elif event == Event.BATCH_END:
@@ -199,9 +211,28 @@ class Shrink(Algorithm):
             composer_internals.route_saver(saver, self._write, self.writer.remove)
         composer_internals.reading(self._read)
 
+    def _open_for_replay(self, state: State) -> None:
+        """Join a Trainer that ``stalwart.algorithms.replay`` builds (``save_folder=None``): it
+        writes no checkpoints, so nothing is routed for writing, but the file it resumes from
+        may be a shrunken one (a recorded fit that resumed from this Shrink's checkpoint)."""
+        closing = _CloseWithTrainer([])
+        state.callbacks.append(closing)
+        composer_internals.hold(closing)
+        composer_internals.reading(self._read_only)
+
+    def _read_only(self, path: str) -> dict[str, Any]:
+        """As :meth:`_read`, without taking up the file's chain: this instance's next save (in
+        a Trainer of its own) must not become a delta of a file a replay happened to load."""
+        weights, extra, _ = load_with_extra(path)
+        return self._as_composer_checkpoint(weights, extra)
+
     def _read(self, path: str) -> dict[str, Any]:
         """A shrunken checkpoint as Composer's loader expects it; the chain continues from it."""
         weights, extra = self.writer.load(path)
+        return self._as_composer_checkpoint(weights, extra)
+
+    @staticmethod
+    def _as_composer_checkpoint(weights: dict[str, torch.Tensor], extra: Any) -> dict[str, Any]:
         checkpoint = dict(extra or {})
         checkpoint["state"] = {**checkpoint.get("state", {}), "model": weights}
         return checkpoint
