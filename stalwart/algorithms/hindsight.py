@@ -466,6 +466,12 @@ class _ReplayDriver(Algorithm):
         self.store.close()
 
 
+def building_a_replay() -> bool:
+    """Whether the Trainer being built now is one of a hindsight replay's (which writes no
+    checkpoint: other algorithms, such as ``Shrink``, stand aside in it)."""
+    return _REPLAYING.get()
+
+
 @contextlib.contextmanager
 def _replaying() -> Iterator[None]:
     token = _REPLAYING.set(True)

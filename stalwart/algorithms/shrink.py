@@ -24,7 +24,7 @@ from composer.core import Algorithm, Callback, Event, State
 from composer.loggers import Logger
 
 from stalwart.algorithms import composer_internals
-from stalwart.algorithms.hindsight import _REPLAYING
+from stalwart.algorithms.hindsight import building_a_replay
 from stalwart.errors import ConfigurationError
 from stalwart.shrink.api import ShrinkReport, load_with_extra
 from stalwart.shrink.chain import ChainWriter, ShrinkRequest
@@ -161,7 +161,7 @@ class Shrink(Algorithm):
 
     def match(self, event: Event, state: State) -> bool:
         if event == Event.INIT:  # decided per Trainer: one instance may serve record and replay
-            self.passive = _REPLAYING.get()
+            self.passive = building_a_replay()
         if event in (Event.INIT, Event.AFTER_LOAD):
             return True
         if self.passive:  # nothing will be saved: no batches or gradients to collect for it
