@@ -29,11 +29,18 @@ def flatten(tensors: Iterable[torch.Tensor], dtype: torch.dtype = torch.float32)
 
 
 def flatten_grads(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
-    """One flat vector of the parameters' gradients; a missing gradient counts as zeros."""
-    return torch.cat([
-        (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-        for p in parameters
-    ])  # fmt: skip
+    """One flat vector of the parameters' gradients; a missing gradient counts as zeros, and a
+    sparse one (``nn.Embedding(sparse=True)``) is made dense."""
+    return torch.cat([_dense_grad(p).detach().reshape(-1) for p in parameters])
+
+
+def _dense_grad(parameter: torch.nn.Parameter) -> torch.Tensor:
+    grad = parameter.grad
+    if grad is None:
+        return torch.zeros_like(parameter)
+    # A sparse gradient cannot be reshaped, and what goes over the wire is one dense vector
+    # anyway; to_dense also sums the repeated rows of an uncoalesced gradient.
+    return grad.to_dense() if grad.layout != torch.strided else grad
 
 
 def _check_length(parameters: list[torch.Tensor], vector: torch.Tensor) -> None:

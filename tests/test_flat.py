@@ -58,6 +58,18 @@ def test_grads_round_trip_and_missing_grads_are_zeros():
     assert any(torch.count_nonzero(p.grad) for p in other.parameters())
 
 
+def test_sparse_grads_are_made_dense():
+    sparse, dense = nn.Embedding(4, 2, sparse=True), nn.Embedding(4, 2)
+    dense.load_state_dict(sparse.state_dict())
+    rows = torch.tensor([1, 3, 1])  # row 1 twice: an uncoalesced sparse gradient sums both
+    for embedding in (sparse, dense):
+        (embedding(rows) * torch.arange(6.0).reshape(3, 2)).sum().backward()
+    assert sparse.weight.grad.is_sparse
+    vector = flatten_grads(sparse.parameters())
+    assert torch.equal(vector, flatten_grads(dense.parameters()))
+    assert vector.tolist() == [0.0, 0.0, 4.0, 6.0, 0.0, 0.0, 2.0, 3.0]
+
+
 def test_a_vector_of_the_wrong_length_is_refused():
     model = _model(0)
     vector = flatten(model.parameters())

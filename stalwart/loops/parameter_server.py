@@ -2,28 +2,38 @@
 processes and a parameter server that may be SIGKILLed (see :mod:`stalwart.ps`).
 
 The user keeps the model code: each worker process runs the module's ``training_step`` on
-batches of its ``train_dataloader`` (or the datamodule's) to produce gradients; the parameter
-server applies them with SGD (the paper's setting; ``configure_optimizers`` is not called). The
-core is unchanged: this module only maps a LightningModule onto :class:`stalwart.ps.PSWorkload`.
+batches of its ``train_dataloader`` (or the datamodule's), passed through the batch transfer hooks
+as Lightning's fit passes them, to produce gradients; the parameter server applies them with SGD
+(the paper's setting; ``configure_optimizers`` is not called, so manual optimization is refused).
+Only parameters travel through the PS: buffers (BatchNorm's running statistics) stay per worker
+and are merged into the module at the end. The core is unchanged: this module only maps a
+LightningModule onto :class:`stalwart.ps.PSWorkload`.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from stalwart import durable
 from stalwart.errors import ConfigurationError
 from stalwart.flat import flatten, unflatten_into
 from stalwart.ps.config import PSConfig
 from stalwart.ps.result import PSRunResult
 from stalwart.ps.runner import run_training
+from stalwart.ps.worker import buffers_path
 from stalwart.ps.workload import PSWorkload
+
+#: The hooks through which Lightning hands a batch to ``training_step``, in its order.
+BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
 
 class LightningPSWorkload(PSWorkload):
@@ -72,7 +82,26 @@ class LightningPSWorkload(PSWorkload):
             if not yielded:
                 raise ConfigurationError("the train dataloader is empty: nothing to train on.")
 
+    def transfer(self, model: L.LightningModule, batch: Any) -> Any:
+        """``batch`` as Lightning's fit hands it to ``training_step``: through the batch hooks in
+        :data:`BATCH_HOOKS` order, with ``dataloader_idx=0``, to the worker's device (the CPU).
+
+        As in Lightning, each hook runs once: the datamodule's if it overrides it, else the
+        module's (whose defaults pass the batch through and move it to the device).
+        """
+        for name in BATCH_HOOKS:
+            owner = model
+            if self.datamodule is not None and is_overridden(name, self.datamodule):
+                owner = self.datamodule
+            hook = getattr(owner, name)
+            if name == "transfer_batch_to_device":
+                batch = hook(batch, torch.device("cpu"), 0)
+            else:
+                batch = hook(batch, 0)
+        return batch
+
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        batch = self.transfer(model, batch)
         with warnings.catch_warnings():
             # No Lightning Trainer runs in a worker, so there is nowhere to log to.
             warnings.filterwarnings("ignore", message=".*self.log.*trainer.*")
@@ -90,9 +119,77 @@ class LightningPSWorkload(PSWorkload):
     def evaluate(self, model: torch.nn.Module) -> float | None:
         if self.metric is None:
             return None
-        model.eval()
+        return score(model, self.metric)
+
+
+def score(model: torch.nn.Module, metric: Callable[[Any], float]) -> float:
+    """``metric`` of ``model`` in eval mode without autograd; the model's mode is kept."""
+    training = model.training
+    model.eval()
+    try:
         with torch.no_grad():
-            return float(self.metric(model))
+            return float(metric(model))
+    finally:
+        model.train(training)
+
+
+def prepare_module(model: L.LightningModule) -> None:
+    """Get ``model`` ready to train through the PS, or say why it cannot be, before the run
+    writes a file or starts a process.
+
+    Raises:
+        ConfigurationError: manual optimization, or a module without parameters.
+    """
+    if not model.automatic_optimization:
+        raise ConfigurationError(
+            f"{type(model).__name__} sets automatic_optimization = False; the parameter server "
+            "applies plain SGD (lr) to the gradient of the loss training_step returns, and no "
+            "Lightning Trainer runs in the workers to give training_step its optimizers. Return "
+            "the loss from training_step with automatic optimization to use "
+            "ParameterServerTrainer."
+        )
+    # Lightning's fit calls this hook too: a module may build its layers there (it must be
+    # idempotent), and the run's initial weights are read from them.
+    model.configure_model()
+    if sum(p.numel() for p in model.parameters()) == 0:
+        raise ConfigurationError(
+            f"{type(model).__name__} has no parameters (after configure_model()): nothing for "
+            "the parameter server to train. Build the layers in __init__ or configure_model."
+        )
+    if next(model.buffers(), None) is not None:
+        warnings.warn(
+            "ParameterServerTrainer: the model's buffers (e.g. BatchNorm running statistics) do "
+            "not travel through the parameter server: each worker updates its own, the accuracy "
+            "timeline scores the initial ones, and fit loads the workers' final ones, merged.",
+            stacklevel=3,
+        )
+
+
+def load_worker_buffers(model: torch.nn.Module, run_dir: str, workers: int) -> bool:
+    """Load the buffers the workers wrote at the end of the run into ``model``, merged; False
+    (``model`` unchanged) if none wrote any.
+
+    Each worker's BatchNorm statistics average its own recent batches, computed with weights
+    close to the committed ones. Float buffers are averaged over the workers (statistics of more
+    batches, less noise; with ``momentum=None`` the pooled cumulative average);
+    ``num_batches_tracked`` is summed (the batches those statistics saw); any other buffer (an
+    integer or bool a module keeps) is worker 0's, as DDP broadcasts rank 0's.
+    """
+    paths = [buffers_path(run_dir, w) for w in range(workers)]
+    saved = [durable.load_torch(path) for path in paths if os.path.exists(path)]
+    if not saved:
+        return False
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            values = [buffers[name] for buffers in saved]
+            if values[0].is_floating_point():
+                # In float64, so a buffer no worker changed comes back bit for bit.
+                buffer.copy_(torch.stack([v.double() for v in values]).mean(0))
+            elif name.rsplit(".", 1)[-1] == "num_batches_tracked":
+                buffer.copy_(torch.stack(values).sum(0))
+            else:
+                buffer.copy_(values[0])
+    return True
 
 
 class ParameterServerTrainer:
@@ -102,7 +199,9 @@ class ParameterServerTrainer:
     worker processes; each worker runs ``model.training_step`` on its own shuffle of the train
     dataloader and pushes the gradient. ``config.kills`` SIGKILLs the server during the run
     (``mode="stateless"``: no gradient is lost, the workers never wait). At the end ``model``
-    holds the final committed weights.
+    holds the final committed weights and the workers' buffers, merged
+    (:func:`load_worker_buffers`). ``model.configure_model()`` is called first, as Lightning's
+    fit calls it.
 
     Args:
         config: the run (mode, workers, steps or duration, lr, kill schedule, run_dir, ...);
@@ -135,7 +234,13 @@ class ParameterServerTrainer:
     def fit(
         self, model: L.LightningModule, datamodule: L.LightningDataModule | None = None
     ) -> PSRunResult:
-        """Train ``model`` (in place) with the parameter server; what the run measured."""
+        """Train ``model`` (in place) with the parameter server; what the run measured.
+
+        ``model`` ends with the committed weights and the workers' merged buffers
+        (:func:`load_worker_buffers`); ``result.final_accuracy`` is then the metric of ``model``
+        as returned, while the timeline before it scored the initial buffers.
+        """
+        prepare_module(model)
         if datamodule is not None:
             datamodule.prepare_data()  # once, in this process, as Lightning does
         result = run_training(
@@ -143,4 +248,7 @@ class ParameterServerTrainer:
         )
         assert result.weights is not None
         unflatten_into(model.parameters(), result.weights)
+        loaded = load_worker_buffers(model, result.config.run_dir, result.config.workers)
+        if loaded and self.metric is not None:
+            result.final_accuracy = score(model, self.metric)
         return result

@@ -35,6 +35,8 @@ class PSRunResult:
     server_cpu: float = 0.0
     peak_rss_mb: dict[str, float] = field(default_factory=dict)
     store_retries: int = 0
+    #: The newest score of the committed weights; 0.0, and None in :meth:`summary`, when the
+    #: run scored nothing (an empty ``timeline``: no metric).
     final_accuracy: float = 0.0
     #: The committed weights at the end of the run (flat, as the workload's model orders them).
     weights: torch.Tensor | None = None
@@ -66,5 +68,7 @@ class PSRunResult:
             "worker_cpu_util": round(self.worker_cpu_utilisation, 3),
             "server_cpu_s": round(self.server_cpu, 2),
             "peak_rss_mb": {k: round(v, 1) for k, v in self.peak_rss_mb.items()},
-            "final_accuracy": round(self.final_accuracy, 4),
+            # None when nothing was scored (no metric): 0.0 would read as a model that learned
+            # nothing.
+            "final_accuracy": round(self.final_accuracy, 4) if self.timeline else None,
         }  # fmt: skip

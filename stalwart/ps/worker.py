@@ -57,6 +57,11 @@ def report_path(run_dir: str, worker: int) -> str:
     return os.path.join(run_dir, f"worker-{worker}.json")
 
 
+def buffers_path(run_dir: str, worker: int) -> str:
+    """Where worker ``worker`` writes its model's buffers at the end of its run (torch, sealed)."""
+    return os.path.join(run_dir, f"worker-{worker}-buffers.pt")
+
+
 class PSWorker:
     """Worker ``index`` of a run.
 
@@ -168,6 +173,17 @@ class PSWorker:
                 self._local_step()
         self.store.set(layout.done(self.index), b"1")
 
+    def save_buffers(self) -> None:
+        """Write the model's buffers (BatchNorm's running statistics, ...) if it has any.
+
+        Only parameters travel through the PS: each worker's buffers were updated by its own
+        batches alone, and nobody else has them; the caller merges the workers' files
+        (:func:`stalwart.loops.parameter_server.load_worker_buffers`).
+        """
+        buffers = {name: b.detach().cpu() for name, b in self.model.named_buffers()}
+        if buffers:
+            durable.save_torch(buffers, buffers_path(self.config.run_dir, self.index))
+
     def report(self, error: str | None = None) -> dict:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         return {
@@ -188,5 +204,6 @@ def main(config: PSConfig, store: RetryingStore, index: int) -> int:
         durable.write_json(path, worker.report(error=str(exc)))
         log.error("worker %d: giving up: %s", index, exc)
         return STORE_GAVE_UP
+    worker.save_buffers()
     durable.write_json(path, worker.report())
     return 0
