@@ -33,7 +33,11 @@ from stalwart.callbacks.lightning_internals import (
 )
 from stalwart.callbacks.loader_rng import LOADER_RNG_KEY, capture_loader_rng, restore_loader_rng
 from stalwart.callbacks.log_capture import LogCapture
-from stalwart.callbacks.loop_state import INNER_LOOP_END_KEY, capture_inner_loop_end
+from stalwart.callbacks.loop_state import (
+    INNER_LOOP_END_KEY,
+    capture_inner_loop_end,
+    capture_logged,
+)
 from stalwart.callbacks.replay_loggers import describe_loggers
 from stalwart.hindsight.checkpoint_file import checksum_file
 from stalwart.hindsight.fingerprint import hook_fingerprints
@@ -203,12 +207,18 @@ class HindsightCallback(Callback):
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.recorder.recording:
+            started = time.perf_counter()
             done = batches_completed(trainer)
             if not self._training_counted:  # the epoch stopped early (e.g. max_steps)
                 self.recorder.training_ended(done - self._first_batch)
-            # The epoch's log captures and Lightning's dispatch of the batch hook to this
-            # callback: the record's, not the epoch's compute.
-            spent, self._capture.spent = self._capture.spent, 0.0
+            else:
+                # Completes the inner-loop-end capture here, not after the last batch: later
+                # callbacks' and the module's on_train_batch_end still log after this callback's.
+                capture_logged(self._inner_loop_end, trainer)
+            # The epoch's log captures, the capture above and Lightning's dispatch of the batch
+            # hook to this callback: the record's, not the epoch's compute.
+            spent = self._capture.spent + time.perf_counter() - started
+            self._capture.spent = 0.0
             dispatch = (done - self._first_batch) * self._dispatch_per_batch
             self.recorder.charge_bookkeeping(spent + dispatch)
         # Decided here, materialized once the epoch has fully ended (see setup): the module's

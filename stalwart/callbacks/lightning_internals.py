@@ -12,8 +12,9 @@ equivalent, and each function says what it needs and why:
 - the moment a fit has built its training DataLoaders and not yet made their first iterator;
 - the hook a ``self.log`` call came from, and every raw ``self.log`` call (loggers only see
   reduced values);
-- a replayed epoch whose training batches are restored instead of run, and the loop counters it
-  restores;
+- a replayed epoch whose training batches are restored instead of run, the loop counters it
+  restores, and what its batches logged (the training loop's result collection, which Lightning
+  keeps out of its checkpoints: it aggregates epoch metrics and feeds ``callback_metrics``);
 - what Lightning's private hook dispatch (``trainer/call.py``) spends handing one hook to one
   callback, which the record charges to itself for every hook of every batch, and that this
   dispatch skips a hook that is not callable (so a callback's unused hooks cost nothing).
@@ -32,13 +33,22 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.utilities import _is_max_limit_reached
 from lightning.pytorch.profilers import PassThroughProfiler
+from lightning.pytorch.trainer.connectors.logger_connector.result import (
+    _Metadata,
+    _ResultMetric,
+    _Sync,
+)
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from torchmetrics import Metric
 
 #: The fit loop's progress trackers an epoch's checkpoint restores (keys of its ``loops`` state).
 LOOP_PROGRESS_KEYS = (
@@ -360,6 +370,140 @@ def restore_loop_progress(trainer: Trainer, fit_loop_state: dict[str, Any]) -> N
     epoch_loop.scheduler_progress.load_state_dict(fit_loop_state[scheduler])
     steps = fit_loop_state["epoch_loop.state_dict"]["_batches_that_stepped"]
     epoch_loop._batches_that_stepped = steps
+
+
+#: The ``self.log`` arguments a result collection entry keeps (``_Metadata``'s plain fields).
+_LOG_FIELDS = (
+    "fx",
+    "name",
+    "prog_bar",
+    "logger",
+    "on_step",
+    "on_epoch",
+    "enable_graph",
+    "add_dataloader_idx",
+    "dataloader_idx",
+    "metric_attribute",
+)
+
+#: The reductions ``self.log(reduce_fx=...)`` accepts, by the name a record stores.
+_REDUCTIONS = {
+    f"{fn.__module__}.{fn.__name__}": fn
+    for fn in (torch.mean, torch.sum, torch.max, torch.min, sum, max, min)
+}
+
+#: Logged only after the inner loop: its values are the epoch end's own, never restored.
+_EPOCH_END_HOOK = "on_train_epoch_end"
+
+
+def _copied(value: Any) -> Any:
+    return apply_to_collection(value, Tensor, lambda t: t.detach().clone())
+
+
+def _metric_states(metric: Metric) -> dict[str, dict]:
+    """A torchmetrics ``Metric``'s accumulated states, and those of the metrics it is made of
+    (a compositional metric keeps none of its own), by submodule name."""
+    return {
+        name: {
+            "states": {state: _copied(getattr(m, state)) for state in m._defaults},
+            "update_count": m._update_count,
+            "forward_cache": _copied(m._forward_cache),
+        }
+        for name, m in metric.named_modules()
+        if isinstance(m, Metric)
+    }
+
+
+def _load_metric_states(metric: Metric, saved: dict[str, dict]) -> None:
+    for name, entry in saved.items():
+        m = metric.get_submodule(name)
+        for state, value in entry["states"].items():
+            setattr(m, state, apply_to_collection(value, Tensor, Tensor.to, m.device))
+        m._update_count = entry["update_count"]
+        m._forward_cache = apply_to_collection(entry["forward_cache"], Tensor, Tensor.to, m.device)
+        m._computed = None
+
+
+def logged_in_training(trainer: Trainer) -> list[dict[str, Any]]:
+    """What the epoch's training batches logged, as the training loop's result collection holds
+    it: per ``self.log`` call site, its arguments, its running aggregate (sum or extremum and
+    batch count) and its last per-step value, in tensors and plain values only (a checkpoint
+    holding it loads with ``torch.load(weights_only=True)``).
+
+    Read in ``on_train_epoch_end``, where every hook of the last batch has logged (the module's
+    ``on_train_batch_end`` runs after the callbacks'). Validation logs into its own collection;
+    what the epoch-end hooks have logged by then is left out (their entries are the epoch end's,
+    reset when the epoch's metrics go out), and so is an entry synced over a custom process
+    group, which cannot be stored.
+    """
+    saved = []
+    for key, result in trainer.fit_loop.epoch_loop._results.items():
+        meta = result.meta
+        if result.has_reset or meta.fx.partition(".")[0] == _EPOCH_END_HOOK:
+            continue
+        if meta.sync.group is not None:
+            continue
+        entry = {
+            "key": key,
+            "log": {field: getattr(meta, field) for field in _LOG_FIELDS},
+            "reduce_fx": f"{meta.reduce_fx.__module__}.{meta.reduce_fx.__name__}",
+            "sync": {"should": meta.sync.should, "rank_zero_only": meta.sync.rank_zero_only},
+            "is_tensor": result.is_tensor,
+            "update_count": result._update_count,
+            "forward_cache": _copied(result._forward_cache),
+        }
+        if result.is_tensor:
+            entry["states"] = {state: _copied(getattr(result, state)) for state in result._defaults}
+        else:  # a torchmetrics Metric of the module: its states are the aggregate
+            entry["metric"] = _metric_states(result.value)
+        saved.append(entry)
+    return saved
+
+
+def _result_entry(trainer: Trainer, entry: dict[str, Any]) -> _ResultMetric:
+    """A result collection entry as ``LightningModule.log`` makes it for these arguments (a
+    later ``self.log`` at the same call site finds the arguments it passes equal)."""
+    meta = _Metadata(**entry["log"], reduce_fx=_REDUCTIONS[entry["reduce_fx"]])
+    sync = entry["sync"]
+    meta.sync = _Sync(
+        fn=trainer.strategy.reduce, _should=sync["should"], rank_zero_only=sync["rank_zero_only"]
+    )
+    return _ResultMetric(meta, entry["is_tensor"])
+
+
+def restore_logged_in_training(trainer: Trainer, saved: list[dict[str, Any]]) -> None:
+    """Put back what :func:`logged_in_training` read, in place of a training epoch that did not
+    run: the epoch-end aggregation, ``callback_metrics`` (a plateau scheduler, ``EarlyStopping``,
+    a probe), progress-bar and logged metrics then see the recorded epoch's values.
+
+    Called where the epoch's batches would have run: what earlier epochs of this fit logged was
+    reset when their metrics went out, so the collection offers the recorded epoch's values (and
+    a probe's own from ``on_train_epoch_start``). The last batch's per-step values are then handed
+    on as Lightning hands them after every batch (``_LoggerConnector.on_batch_end``).
+    """
+    results = trainer.fit_loop.epoch_loop._results
+    module = trainer.lightning_module
+    for entry in saved:
+        result = results.get(entry["key"])
+        if result is None:
+            result = results[entry["key"]] = _result_entry(trainer, entry)
+        if entry["is_tensor"]:
+            for state, value in entry["states"].items():
+                setattr(result, state, value.to(module.device))
+            cache = entry["forward_cache"]
+            result._forward_cache = None if cache is None else cache.to(module.device)
+        else:
+            result.value = module.get_submodule(result.meta.metric_attribute)
+            _load_metric_states(result.value, entry["metric"])
+            result._forward_cache = result.value._forward_cache
+        result._update_count = entry["update_count"]
+        result._computed = None
+        result.has_reset = False
+    connector = trainer._logger_connector
+    step = results.metrics(on_step=True)
+    connector._callback_metrics.update(step["callback"])
+    connector._logged_metrics.update(step["log"])
+    connector._progress_bar_metrics.update(step["pbar"])
 
 
 def detached_copy(obj: Any) -> Any:

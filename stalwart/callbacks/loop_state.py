@@ -3,7 +3,9 @@
 A hindsight checkpoint is taken at the epoch boundary, after validation, the epoch-end hooks and
 the epoch-interval LR step. An outer-loop replay needs the state just *before* those: the same
 weights and optimizer tensors, but the LR schedule and hyperparameters not yet stepped and the
-RNG as the last training batch left it. That small remainder is captured here at record time.
+RNG as the last training batch left it, and what the epoch's batches logged (the epoch's
+aggregated training metrics and ``callback_metrics`` come from it). That small remainder is
+captured here at record time.
 """
 
 from __future__ import annotations
@@ -12,11 +14,17 @@ import copy
 
 from lightning.pytorch import Trainer
 
-from stalwart.callbacks.lightning_internals import restore_loop_progress
+from stalwart.callbacks.lightning_internals import (
+    logged_in_training,
+    restore_logged_in_training,
+    restore_loop_progress,
+)
 from stalwart.callbacks.loader_rng import capture_loader_rng, restore_loader_rng
 from stalwart.rng import capture_rng, restore_rng
 
 INNER_LOOP_END_KEY = "stalwart_inner_loop_end"
+#: What the epoch's training batches logged, in the inner-loop-end capture.
+LOGGED_KEY = "logged"
 
 
 def capture_inner_loop_end(trainer: Trainer) -> dict:
@@ -38,11 +46,19 @@ def capture_inner_loop_end(trainer: Trainer) -> dict:
     }
 
 
+def capture_logged(inner_loop_end: dict, trainer: Trainer) -> None:
+    """Add what the epoch's training batches logged to the capture :func:`capture_inner_loop_end`
+    made after the last batch: called from ``on_train_epoch_end``, after every hook of that batch
+    has logged (see :func:`~stalwart.callbacks.lightning_internals.logged_in_training`)."""
+    inner_loop_end[LOGGED_KEY] = logged_in_training(trainer)
+
+
 def restore_inner_loop_end(trainer: Trainer, checkpoint: dict) -> None:
     """Put a fit in the state its recorded epoch had after its last training batch.
 
     Weights, optimizer tensors and loop counters come from the epoch's checkpoint; schedulers,
-    hyperparameters and RNG from the inner-loop-end capture stored beside them.
+    hyperparameters, RNG and what the batches logged from the inner-loop-end capture stored
+    beside them.
     """
     module = trainer.lightning_module
     module.load_state_dict(checkpoint["state_dict"])
@@ -55,6 +71,10 @@ def restore_inner_loop_end(trainer: Trainer, checkpoint: dict) -> None:
         for group, saved in zip(optimizer.param_groups, groups, strict=True):
             group.update(saved)
     restore_loop_progress(trainer, checkpoint["loops"]["fit_loop"])
+    # Absent from records made before it was captured: their memoized epochs' callback_metrics
+    # lack the training metrics, as they always did.
+    if inner.get(LOGGED_KEY) is not None:
+        restore_logged_in_training(trainer, inner[LOGGED_KEY])
     restore_rng(inner["rng"])
     if inner.get("loader_rng"):  # absent from records made before it was captured
         restore_loader_rng(trainer, inner["loader_rng"])

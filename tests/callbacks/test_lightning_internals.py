@@ -127,6 +127,27 @@ def test_private_attributes_the_internals_use_exist(fitted):
     missing += [
         f"{key}.load_state_dict" for key, t in trackers.items() if not hasattr(t, "load_state_dict")
     ]
+    # What a memoized epoch's batches logged (logged_in_training / restore_logged_in_training).
+    results = getattr(epoch_loop, "_results", None)
+    if not isinstance(results, dict) or "training_step.train_loss" not in results:
+        missing.append("_TrainingEpochLoop._results (the training _ResultCollection by key)")
+    else:
+        if _params(results.metrics) != ["on_step"]:
+            missing.append("_ResultCollection.metrics(on_step)")
+        result = results["training_step.train_loss"]
+        for name in ("meta", "is_tensor", "has_reset", "_forward_cache", "_update_count"):
+            if not hasattr(result, name):
+                missing.append(f"_ResultMetric.{name}")
+        if set(result._defaults) != {"value", "cumulated_batch_size"}:
+            missing.append("_ResultMetric._defaults (value, cumulated_batch_size)")
+    fields = internals._Metadata.__dataclass_fields__
+    missing += [f"_Metadata.{name}" for name in internals._LOG_FIELDS if name not in fields]
+    if {"fn", "_should", "rank_zero_only", "_group"} - set(internals._Sync.__dataclass_fields__):
+        missing.append("_Sync(fn, _should, rank_zero_only, _group)")
+    logger_connector = trainer._logger_connector
+    for name in ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics"):
+        if not isinstance(getattr(logger_connector, name, None), dict):
+            missing.append(f"_LoggerConnector.{name} (a dict)")
     module = DigitsClassifier(width=8)
     for name in ("_current_fx_name", "_trainer"):
         if name not in vars(module):
