@@ -45,18 +45,43 @@ def _runs(args: argparse.Namespace) -> None:
         out = args.out or f"{run.name}-{args.plot}.png"
         print(f"wrote {plot_metric(run, args.plot, out)}")
         return
+    partial = False
     for run in store.runs():
         decisions = run.decisions()
         checkpoints = run.checkpoints()
-        compute = decisions.compute_time.sum()
-        spent = decisions.measured_cost.fillna(0).sum() + decisions.interference.sum()
-        overhead = f"{spent / compute:.2%}" if compute > 0 else "-"
+        overhead = _overhead(run, decisions)
+        partial = partial or overhead.endswith(CHECKPOINTS_ONLY)
         epochs = [c.epoch for c in checkpoints]
         print(
             f"{run.name}  {run.status:<9}  epochs {len(decisions):>4}  "
-            f"checkpoints {len(checkpoints):>4} {epochs}  overhead {overhead:>7}  "
+            f"checkpoints {len(checkpoints):>4} {epochs}  overhead {overhead}  "
             f"metrics: {', '.join(run.metric_names())}"
         )
+    if partial:
+        print(
+            f"{CHECKPOINTS_ONLY}: the run keeps no overhead figure of its record's own (recorded "
+            "before stalwart kept it, or its process ended before the record finished), so this "
+            "is its checkpoints' measured costs and the slowdown they caused, without the "
+            "record's start, finish and per-epoch bookkeeping that its fit's summary counted."
+        )
+
+
+#: How ``stalwart runs`` marks an overhead summed from a run's checkpoint decisions alone.
+CHECKPOINTS_ONLY = "(checkpoints only)"
+
+
+def _overhead(run: Any, decisions: Any) -> str:
+    """A run's record overhead as its fit's summary printed it (the figure the record kept when
+    it finished); for a run without one, the part its checkpoint decisions hold, marked so."""
+    from stalwart.hindsight.store import format_overhead
+
+    if run.overhead is not None:
+        return format_overhead(run.overhead)
+    compute = decisions.compute_time.sum()
+    if compute <= 0:
+        return "-"
+    spent = decisions.measured_cost.fillna(0).sum() + decisions.interference.sum()
+    return f"{spent / compute:.2%} {CHECKPOINTS_ONLY}"
 
 
 def _metrics(args: argparse.Namespace) -> None:

@@ -15,7 +15,9 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.compile import to_uncompiled
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch._dynamo import OptimizedModule
 from torch.utils.data import DataLoader
 
 from stalwart.callbacks.hindsight import HindsightCallback
@@ -27,6 +29,7 @@ from stalwart.hindsight import replay as core
 from stalwart.hindsight.estimate import ReplayEstimate
 from stalwart.hindsight.plan import Segment
 from stalwart.hindsight.replay import Mismatch, ReplayResult
+from stalwart.hindsight.store import RESUMED_FILE_KEY
 
 #: Whether ``replay`` logs its plan (dry run) or summary; the CLI prints them itself.
 _ANNOUNCE: ContextVar[bool] = ContextVar("stalwart_replay_announce", default=True)
@@ -72,7 +75,7 @@ class Trainer(L.Trainer):
 
         Args:
             model: the LightningModule, freshly built as for training (edits to its hooks count
-                as probes).
+                as probes); ``torch.compile(module)`` if the record trained it compiled.
             datamodule: the data, as for training.
             probe: a Callback (or several, or a :class:`FunctionProbe`) logging new values with
                 ``pl_module.log``.
@@ -147,9 +150,12 @@ def _replay(
     targets = [] if instances is not None else core.logger_targets(setup.run, loggers)
     recorded_run, entries = setup.run, setup.entries
     initial = entries[min(entries)].load()["state_dict"]
-    actual_class = f"{type(model).__module__}.{type(model).__qualname__}"
-    core.check_same_model(recorded_run, initial, model.state_dict(), actual_class)
-    level = probe_level(probes, core.edited_hooks(model, recorded_run))
+    # A torch.compile'd module is checked as the LightningModule inside it: Lightning trains
+    # that one (it unwraps the compiled wrapper itself), so its state and hooks are the record's.
+    module = uncompiled(model)
+    actual_class = f"{type(module).__module__}.{type(module).__qualname__}"
+    core.check_same_model(recorded_run, initial, module.state_dict(), actual_class)
+    level = probe_level(probes, core.edited_hooks(module, recorded_run))
     segments = core.plan(setup, level, workers, init)
 
     def replay_segment(index: int, segment: Segment, replay_id: str) -> None:
@@ -161,7 +167,8 @@ def _replay(
     outcome = core.run_segments(
         setup, level, segments, replay_segment, dry_run=dry_run, targets=targets,
         logger_axis=lightning_points, also=lambda points: write_to_loggers(instances, points),
-        batch_hooks=BATCH_LEVEL_HOOKS, explain=lambda: _data_cause(model, datamodule),
+        batch_hooks=BATCH_LEVEL_HOOKS,
+        explain=lambda: _mismatch_cause(model, datamodule, trainer_args[1], setup),
     )  # fmt: skip
     if _ANNOUNCE.get():
         rank_zero_info(str(outcome) if dry_run else outcome.summary())
@@ -177,6 +184,114 @@ def quiet_replay() -> Iterator[None]:
         yield
     finally:
         _ANNOUNCE.reset(token)
+
+
+def uncompiled(model: Any) -> LightningModule:
+    """The LightningModule inside a ``torch.compile``'d one (``model`` itself if not compiled).
+
+    Lightning trains that module (``trainer.fit`` unwraps the compiled wrapper), so it is what a
+    record saved and fingerprinted: its state has no ``_orig_mod.`` prefix, and the wrapper's
+    class is torch's, whose methods fingerprint as none of the user's hooks.
+    """
+    return model._orig_mod if isinstance(model, OptimizedModule) else model
+
+
+def is_compiled(model: Any) -> bool:
+    """Whether ``model`` trains compiled: a ``torch.compile`` wrapper, or a LightningModule that
+    Lightning's ``from_compiled`` (or a fit of a compiled module) left with compiled steps."""
+    return uncompiled(model) is not model or getattr(model, "_compiler_ctx", None) is not None
+
+
+def training_copy(model: Any) -> Any:
+    """A copy of ``model`` for one replay segment to train, compiled as ``model`` is.
+
+    A module that a fit has trained compiled keeps Lightning's compiled wrappers of its step
+    methods as instance attributes, and a deep copy shares them: they call the *caller's* bound
+    methods, so the copy would train and log the caller's weights. The copy gets its own methods
+    back (``to_uncompiled`` restores the bound methods the copy rebound to itself) and is wrapped
+    again with the same compiler settings, for Lightning to compile as it did in the record.
+    """
+    copied = detached_copy(model)
+    inner = uncompiled(copied)
+    context = getattr(inner, "_compiler_ctx", None)
+    if context is None:
+        return copied
+    to_uncompiled(inner)
+    return OptimizedModule(inner, context["dynamo_ctx"])
+
+
+def _mismatch_cause(
+    model: Any,
+    datamodule: LightningDataModule | None,
+    trainer_kwargs: dict[str, Any],
+    setup: core.ReplaySetup,
+) -> str | None:
+    """What the replay's setup can tell about why values differ from the record, or None.
+
+    Asked only once replayed values have differed. Every cause found is named, the one that no
+    ``init`` can change first.
+    """
+    causes = [
+        _continued_fit_cause(setup),
+        _reload_cause(trainer_kwargs, setup.init),
+        _data_cause(uncompiled(model), datamodule),
+        _compiled_cause(model),
+    ]
+    return " ".join(cause for cause in causes if cause) or None
+
+
+def _continued_fit_cause(setup: core.ReplaySetup) -> str | None:
+    """A run that starts past epoch 0 without resuming from a checkpoint: a second ``fit()`` on
+    the same Trainer, continued to a higher ``max_epochs``.
+
+    Lightning builds that fit's first training iterator twice (``FitLoop.setup_data``, then the
+    epoch loop's start, since the epoch is past 0 and nothing resumes), each drawing a seed from
+    the global RNG; a replay resumes from a checkpoint and builds it once, so it draws other
+    data whichever ``init`` it is given.
+    """
+    run = setup.run
+    resumed = run.resumed_from is not None or RESUMED_FILE_KEY in run.config
+    if not setup.recorded or setup.recorded[0] <= 0 or resumed:
+        return None
+    return (
+        f"{run.name} starts at epoch {setup.recorded[0]} without resuming from a checkpoint: a "
+        "fit() continued on the same Trainer. Lightning built that fit's first data iterator "
+        "twice, drawing a seed from the global RNG each time, where a fit resumed from a "
+        "checkpoint (every replay) builds it once, so the replay draws other data even with "
+        "init='strong'. To continue a run replayably, resume it instead: a new Trainer's "
+        "fit(..., ckpt_path=...) from one of the record's checkpoints."
+    )
+
+
+def _reload_cause(trainer_kwargs: dict[str, Any], init: str) -> str | None:
+    """``reload_dataloaders_every_n_epochs``: each reloaded epoch's iterator is built twice in
+    the record (``FitLoop.setup_data``, then the epoch loop's start, each drawing a seed from
+    the global RNG), once in a fit resumed from that epoch's checkpoint; a strong replay runs
+    the fit from its start as the record did."""
+    if not trainer_kwargs.get("reload_dataloaders_every_n_epochs") or init != "weak":
+        return None
+    return (
+        "The Trainer reloads its DataLoaders (reload_dataloaders_every_n_epochs): the recorded "
+        "fit built each reloaded epoch's data iterator twice, drawing a seed from the global RNG "
+        "each time, where a fit resumed from an epoch's checkpoint builds it once, so a replay "
+        "from one draws other data. init='strong' replays from the start of the fit as recorded."
+    )
+
+
+def _compiled_cause(model: Any) -> str | None:
+    """A compiled module: a replay compiles it again as Lightning did in the record, which
+    reproduces a record made compiled bit for bit (same torch, same compile options); against a
+    record made in eager mode, or compiled otherwise, kernels that fuse and reorder operations
+    round differently, and no ``init`` changes that."""
+    if not is_compiled(model):
+        return None
+    return (
+        "The module is compiled (torch.compile): compiled kernels fuse and reorder floating-point "
+        "operations, so they round differently from eager mode and from another compilation "
+        "(other compile options, another torch, mode='max-autotune', which picks kernels by "
+        "timing them). Replay with the module compiled exactly as in the recorded fit, or "
+        "uncompiled if the record was made uncompiled; init='strong' does not change this."
+    )
 
 
 def _data_cause(model: LightningModule, datamodule: LightningDataModule | None) -> str | None:
@@ -251,7 +366,7 @@ def _replay_segment(
     with warnings.catch_warnings():
         # The record's checkpoints carry HindsightCallback state this trainer does not need.
         warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint.*")
-        trainer.fit(detached_copy(model), detached_copy(datamodule), ckpt_path=start.path)
+        trainer.fit(training_copy(model), detached_copy(datamodule), ckpt_path=start.path)
 
 
 __all__ = ["FunctionProbe", "Mismatch", "ReplayEstimate", "ReplayResult", "Trainer"]

@@ -20,10 +20,13 @@ def stalwart_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_runs_and_metrics_commands(tmp_path):
-    fit_digits([HindsightCallback(dirpath=tmp_path)], epochs=2)
+    record = HindsightCallback(dirpath=tmp_path)
+    fit_digits([record], epochs=2)
     listing = stalwart_cli("runs", str(tmp_path))
     assert listing.returncode == 0, listing.stderr
     assert "run_0001" in listing.stdout and "completed" in listing.stdout
+    # The figure the fit's summary printed (see tests/hindsight/test_runs_overhead.py).
+    assert f"overhead {record.policy.overhead:.2%} of training compute" in listing.stdout
     assert "train_loss" in listing.stdout
     decisions = stalwart_cli("runs", str(tmp_path), "--decisions")
     assert decisions.returncode == 0, decisions.stderr

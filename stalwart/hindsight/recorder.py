@@ -35,6 +35,7 @@ from stalwart.hindsight.store import (
     INITIAL_EPOCH,
     HindsightStore,
     checkpoint_recorder,
+    format_overhead,
     prepare_directory,
 )
 
@@ -316,27 +317,25 @@ class Recorder:
         self.flush_logs()
 
     def finish(self, status: str) -> str | None:
-        """Write what is pending, wait for background writers, close the run.
-
-        Returns a one-line summary of a completed run (None otherwise), for the adapter to show.
-        """
+        """Write what is pending, wait for background writers, close the run with its overhead
+        figure. Returns a completed run's one-line summary (None otherwise), for the adapter."""
         if not self.recording:
             return None
         self.policy.charge(self.materializer.take_background_cost())
-        # The fit waits for the last writes and the store's close (SQLite's log folded in): all
-        # the record's, so what the writer thread used meanwhile is not charged again.
+        # The fit waits for the last writes: the record's; what the writer used is not charged.
         started = time.perf_counter()
         self.flush()
         self.materializer.close()
         self.materializer.take_background_cost()
-        self.store.finish_run(self.run_id, status)
-        run_dir = self.store.run_dir(self.run_id)
-        self.close()
         self.policy.charge_fixed(time.perf_counter() - started)
+        # Final, kept with the run for `stalwart runs`: only its row and the close (~1 ms) follow.
+        run_dir, figure = self.store.run_dir(self.run_id), overhead_figure(self.policy)
+        self.store.finish_run(self.run_id, status, overhead=figure)
+        self.close()
         for failure in self.materializer.failures:
             warnings.warn(f"{self.name}: {failure}", stacklevel=3)
         self.materializer = None
-        return summary(self.name, run_dir, self.policy) if status == "completed" else None
+        return summary(self.name, run_dir, figure) if status == "completed" else None
 
     def close(self) -> None:
         if self._store is not None:
@@ -382,11 +381,25 @@ class Recorder:
         return self._cost_estimate
 
 
-def summary(name: str, run_dir: Path, policy: JointInvariantPolicy) -> str:
-    """The one line a completed record ends with: what it took and what it cost."""
+def overhead_figure(policy: JointInvariantPolicy) -> dict[str, float | int]:
+    """The record's overhead figure and its parts, as a run keeps it (:attr:`Run.overhead`)."""
+    return {
+        "overhead": policy.overhead,
+        "outside_checkpoints": policy.total_fixed / max(policy.total_compute, 1e-12),
+        "spent_seconds": policy.total_materialize,
+        "fixed_seconds": policy.total_fixed,
+        "compute_seconds": policy.total_compute,
+        "epochs": policy.epochs,
+        "checkpoints": policy.checkpoints,
+        "epsilon": policy.epsilon,
+    }
+
+
+def summary(name: str, run_dir: Path, figure: dict) -> str:
+    """The one line a completed record ends with: what it took and what it cost (``figure``:
+    :func:`overhead_figure`, the one its run keeps)."""
     return (
-        f"{name}: recorded {run_dir} ({policy.epochs} epochs, {policy.checkpoints} checkpoints, "
-        f"record overhead {policy.overhead:.2%} of training compute (outside checkpoints "
-        f"{policy.total_fixed / max(policy.total_compute, 1e-12):.2%}), "
-        f"budget {policy.epsilon:.2%})"
+        f"{name}: recorded {run_dir} ({figure['epochs']} epochs, {figure['checkpoints']} "
+        f"checkpoints, record overhead {format_overhead(figure)}, "
+        f"budget {figure['epsilon']:.2%})"
     )

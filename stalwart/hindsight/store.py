@@ -32,6 +32,9 @@ SCHEMA_VERSION = 1
 INITIAL_EPOCH = -1
 #: A run's config key for the file a resumed fit started from: path, nbytes and crc32 then.
 RESUMED_FILE_KEY = "resumed_from_file"
+#: A run's config key for the record's own overhead figure, as its fit's summary printed it
+#: (see :attr:`Run.overhead`); written when the record finishes.
+OVERHEAD_KEY = "record_overhead"
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 BUSY_TIMEOUT_MS = 30_000
 
@@ -307,11 +310,26 @@ class HindsightStore:
                 (json.dumps(config, default=repr, sort_keys=True), run_id),
             )
 
-    def finish_run(self, run_id: int, status: str) -> None:
-        self._conn.execute(
-            "UPDATE runs SET finished = ?, status = ? WHERE run_id = ?",
-            (time.time(), status, run_id),
-        )
+    def finish_run(self, run_id: int, status: str, overhead: dict | None = None) -> None:
+        """Close the run with ``status``; ``overhead``: the record's final overhead figure and
+        its parts (see :attr:`Run.overhead`), kept in the run's config.
+
+        Kept in the config's JSON rather than a new column: a database written before stays
+        readable as it is, and a version that predates the key ignores it."""
+        with self.batch():
+            if overhead is not None:
+                (text,) = self._conn.execute(
+                    "SELECT config FROM runs WHERE run_id = ?", (run_id,)
+                ).fetchone()
+                config = {**json.loads(text), OVERHEAD_KEY: overhead}
+                self._conn.execute(
+                    "UPDATE runs SET config = ? WHERE run_id = ?",
+                    (json.dumps(config, default=repr, sort_keys=True), run_id),
+                )
+            self._conn.execute(
+                "UPDATE runs SET finished = ?, status = ? WHERE run_id = ?",
+                (time.time(), status, run_id),
+            )
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -393,6 +411,15 @@ class HindsightStore:
         return pd.read_sql_query(sql, self._conn, params=params)
 
 
+def format_overhead(figure: dict) -> str:
+    """``"20.80% of training compute (outside checkpoints 14.21%)"``: how the fit's summary and
+    ``stalwart runs`` both write a run's :attr:`Run.overhead`, so they cannot disagree."""
+    return (
+        f"{figure['overhead']:.2%} of training compute "
+        f"(outside checkpoints {figure['outside_checkpoints']:.2%})"
+    )
+
+
 def checkpoint_recorder(db_path: Path, run_id: int, epoch: int, step: int):
     """A function that indexes a written checkpoint; it runs in the writing (child) process.
 
@@ -439,6 +466,21 @@ class Run:
 
     def __repr__(self) -> str:
         return f"Run({self.name!r}, status={self.status!r})"
+
+    @property
+    def overhead(self) -> dict | None:
+        """The record's own overhead figure, as the fit's summary line printed it: ``overhead``
+        (everything the record spent, over the training compute), ``outside_checkpoints`` (the
+        part no checkpoint caused: start, finish, per-epoch bookkeeping), and the seconds and
+        counts they come from (``spent_seconds``, ``fixed_seconds``, ``compute_seconds``,
+        ``epochs``, ``checkpoints``, ``epsilon``). A fit resumed from a record's checkpoint
+        continues that record's policy, and so its figure: it counts the epochs before too.
+
+        None for a run whose record did not finish (its process died) or was made before
+        stalwart kept the figure; :meth:`decisions` then still has each checkpoint's measured
+        cost and the slowdown it caused, which leave those fixed costs out.
+        """
+        return self.config.get(OVERHEAD_KEY)
 
     def metric_names(self) -> list[str]:
         rows = self.store._conn.execute(
