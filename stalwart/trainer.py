@@ -235,7 +235,7 @@ def _mismatch_cause(
         _continued_fit_cause(setup),
         _reload_cause(trainer_kwargs, setup.init),
         _data_cause(uncompiled(model), datamodule),
-        _compiled_cause(model),
+        _compiled_cause(model, setup.run.config.get("compiled")),
     ]
     return " ".join(cause for cause in causes if cause) or None
 
@@ -278,12 +278,13 @@ def _reload_cause(trainer_kwargs: dict[str, Any], init: str) -> str | None:
     )
 
 
-def _compiled_cause(model: Any) -> str | None:
+def _compiled_cause(model: Any, recorded_compiled: bool | None = None) -> str | None:
     """A compiled module: a replay compiles it again as Lightning did in the record, which
     reproduces a record made compiled bit for bit (same torch, same compile options); against a
     record made in eager mode, or compiled otherwise, kernels that fuse and reorder operations
-    round differently, and no ``init`` changes that."""
-    if not is_compiled(model):
+    round differently, and no ``init`` changes that. ``recorded_compiled``: whether the record
+    was made compiled (None for records that did not say)."""
+    if not is_compiled(model) and not recorded_compiled:
         return None
     return (
         "The module is compiled (torch.compile): compiled kernels fuse and reorder floating-point "

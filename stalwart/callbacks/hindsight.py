@@ -148,6 +148,9 @@ class HindsightCallback(Callback):
             config={
                 "max_epochs": trainer.max_epochs,
                 "module_class": f"{type(pl_module).__module__}.{type(pl_module).__qualname__}",
+                # A replay in eager mode of a record made compiled rounds differently: its hint
+                # says so.
+                "compiled": getattr(pl_module, "_compiler_ctx", None) is not None,
                 "lightning": lightning.__version__,
                 "torch": torch.__version__,
                 # Where the user's loggers keep their values: a replay writes there too.

@@ -507,12 +507,14 @@ def restore_logged_in_training(trainer: Trainer, saved: list[dict[str, Any]]) ->
 
 
 def detached_copy(obj: Any) -> Any:
-    """A deep copy of a LightningModule or data module without the Trainer it is attached to."""
+    """A deep copy of a LightningModule or data module without the Trainer it is attached to.
+
+    Every reference to that Trainer copies as None: a module holds it as ``_trainer``, a data
+    module as its public ``trainer`` too, and a Trainer holds what cannot be copied (a recording
+    callback's open store: the objects a fit used, passed to ``replay``, failed to copy).
+    """
     if obj is None:
         return None
-    trainer = getattr(obj, "_trainer", None)
-    obj._trainer = None
-    try:
-        return copy.deepcopy(obj)
-    finally:
-        obj._trainer = trainer
+    attached = [vars(obj).get(name) for name in ("_trainer", "trainer")]
+    memo = {id(trainer): None for trainer in attached if trainer is not None}
+    return copy.deepcopy(obj, memo)

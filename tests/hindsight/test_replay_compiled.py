@@ -136,3 +136,15 @@ def test_a_compiled_replay_that_differs_names_compiled_numerics_not_init(record)
     (warning,) = said
     assert "compiled (torch.compile)" in warning and "round differently" in warning
     assert "try init='strong'" not in warning
+
+
+def test_the_record_notes_it_was_compiled_and_an_eager_replay_is_told_so(record):
+    root, _ = record
+    assert stalwart.hindsight.open(root).run().config["compiled"] is True
+    # The same module uncompiled: eager kernels round differently from the record's compiled
+    # ones; the hint says so even though the replayed module is not compiled.
+    eager = compiled(Rounded)._orig_mod
+    result, said = replay(root, eager, LossProbe(), [1])
+    assert result.mismatches
+    (warning,) = said
+    assert "compiled (torch.compile)" in warning and "try init='strong'" not in warning
