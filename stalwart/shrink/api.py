@@ -267,7 +267,19 @@ def save(
     bad = [name for name, t in state_dict.items() if not isinstance(t, torch.Tensor)]
     if bad:
         raise ConfigurationError(f"state_dict values must be tensors; not: {bad[:5]}")
+    meta = [name for name, t in state_dict.items() if t.is_meta]
+    if meta:
+        raise ConfigurationError(
+            f"tensors on the meta device have no values to save: {meta[:5]}; materialize the "
+            "module (e.g. to_empty() and load or initialize its weights) before saving it"
+        )
     chain = _previous_state(previous)
+    # Where the write lands: a link at ``path`` is replaced, not the file it points to.
+    if chain is not None and chain.path.resolve() == path.parent.resolve() / path.name:
+        raise ConfigurationError(
+            f"cannot write {path} as a delta on itself: the file it extends would be replaced. "
+            "Write to another path, or pass previous=None for a keyframe."
+        )
     if chain is not None:
         _check_matches(state_dict, chain)
     state_dict = {name: t.detach().cpu() for name, t in state_dict.items()}
@@ -280,10 +292,13 @@ def save(
         None if function is None else every_core()(function)  # a fresh context per call
         for function in (evaluate, screen, continue_training)
     )
-    analyses = _analyses(state_dict, gradients or {}, layer_types or {}, min_numel, chain)
+    exact = _non_finite(state_dict)
+    analyses = _analyses(
+        state_dict, gradients or {}, layer_types or {}, min_numel, chain, exclude=exact
+    )
     weights = _quantize(
         state_dict, analyses, small_tensors, chain, config, evaluate, screen, search, tau,
-        screen_accept,
+        screen_accept, exact,
     )  # fmt: skip
     moments = _moment_plan(
         extra, compress_optimizer, continue_training, parameter_shapes, weights.restored, tau,
@@ -312,20 +327,43 @@ def _check_arguments(
         )
 
 
+def _non_finite(state_dict: dict[str, torch.Tensor]) -> set[str]:
+    """Floating tensors holding NaN or inf: stored exactly, with a warning.
+
+    Quantizing them would hide a diverged model (a NaN came back as an ordinary number) or fail
+    (an inf's log-magnitude bucket sized an 8 GiB histogram); a restore must show what was saved.
+    """
+    found = {
+        name
+        for name, tensor in state_dict.items()
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    }
+    if found:
+        warnings.warn(
+            f"{len(found)} tensor(s) hold NaN or inf values, stored exactly (not quantized): "
+            f"{sorted(found)[:5]}",
+            UserWarning,
+            stacklevel=3,
+        )
+    return found
+
+
 def _analyses(
     state_dict: dict[str, torch.Tensor],
     gradients: Mapping[str, torch.Tensor],
     layer_types: Mapping[str, str],
     min_numel: int,
     chain: ChainState | None,
+    exclude: set[str] = frozenset(),
 ) -> dict[str, TensorAnalysis]:
-    """The tensors to quantize (floating, at least ``min_numel``), each with its statistics."""
+    """The tensors to quantize (floating, at least ``min_numel``, not in ``exclude``), each with
+    its statistics."""
     analyses = {
         name: TensorAnalysis(
             tensor, gradients.get(name), layer_types.get(name) or guess_layer_type(name, tensor)
         )
         for name, tensor in state_dict.items()
-        if tensor.is_floating_point() and tensor.numel() >= min_numel
+        if tensor.is_floating_point() and tensor.numel() >= min_numel and name not in exclude
     }
     if chain is not None:
         for name, analysis in analyses.items():
@@ -362,14 +400,16 @@ def _quantize(
     search: ConfigSearch | None,
     tau: float,
     screen_accept: float,
+    exact: set[str] = frozenset(),
 ) -> _Weights:
-    """Quantize with ``config``, or the configuration a search finds within ``tau``."""
+    """Quantize with ``config``, or the configuration a search finds within ``tau``; the
+    tensors in ``exact`` stay as they are."""
     rounded = {}
     if small_tensors == "bfloat16":
         rounded = {
             name: tensor.to(torch.bfloat16).to(tensor.dtype)
             for name, tensor in state_dict.items()
-            if name not in analyses and tensor.dtype == torch.float32
+            if name not in analyses and name not in exact and tensor.dtype == torch.float32
         }
     found = {}
     if config is None and evaluate is not None:

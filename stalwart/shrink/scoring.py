@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stalwart.errors import ConfigurationError
 from stalwart.rng import capture_rng, restore_rng
 
 
@@ -44,7 +45,7 @@ def live_evaluator(
         module.eval()
         try:
             with torch.no_grad():
-                return float(score(module))
+                return _as_loss(score(module))
         finally:
             module.load_state_dict(original)
             module.train(was_training)
@@ -109,7 +110,7 @@ def live_continuation(
                 for optimizer in optimizers:
                     optimizer.step()
             with torch.no_grad():
-                return float(score(module))
+                return _as_loss(score(module))
         finally:
             module.load_state_dict(original)
             for optimizer, state in zip(optimizers, saved, strict=True):
@@ -178,3 +179,14 @@ def screening_batches(batches: list[Any], fraction: float) -> list[Any] | None:
         if rows < min(sizes[0]):
             return [_head(batches[0], rows)]
     return batches[:1] if len(batches) > 1 else None
+
+
+def _as_loss(value: Any) -> float:
+    """A scorer's answer as a float, or a ConfigurationError saying what it must return."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(
+            f"the held-out loss function returned {value!r}; it must return a number (a float "
+            "or a one-element tensor), e.g. evaluate=lambda model: float(loss_fn(model(x), y))"
+        ) from None

@@ -8,6 +8,7 @@ import torch
 import stalwart.shrink as shrink
 from stalwart.errors import ConfigurationError, CorruptCheckpointError
 from stalwart.shrink.container import SectionWriter, read_container
+from stalwart.shrink.scoring import live_evaluator
 
 
 def _chain(tmp_path, n=3):
@@ -117,3 +118,45 @@ def test_an_entry_encoding_this_version_does_not_know_is_refused(tmp_path):
     sections.write(path, header)
     with pytest.raises(CorruptCheckpointError, match="newer.shrunk.*unknown tensor encoding"):
         shrink.load(path)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_are_stored_exactly_through_a_chain(tmp_path, bad):
+    # An inf used to size an 8 GiB histogram (the process was killed); a NaN came back as an
+    # ordinary number, so a diverged model's checkpoint looked healthy after a restore.
+    torch.manual_seed(0)
+    weights = {"layer.weight": torch.randn(128, 64), "layer.bias": torch.randn(128)}
+    first = shrink.save(weights, tmp_path / "0.shrunk")
+    broken = {name: tensor.clone() for name, tensor in weights.items()}
+    broken["layer.weight"][3, 5] = bad
+    with pytest.warns(UserWarning, match=r"NaN or inf values, stored exactly.*layer.weight"):
+        second = shrink.save(broken, tmp_path / "1.shrunk", previous=first)
+    restored = shrink.load(tmp_path / "1.shrunk")
+    # Bit for bit, the NaN's payload and the sign of an inf included.
+    as_bits = restored["layer.weight"].view(torch.int32)
+    assert torch.equal(as_bits, broken["layer.weight"].view(torch.int32))
+    # The chain goes on once the values are finite again.
+    third = shrink.save(weights, tmp_path / "2.shrunk", previous=second)
+    assert third.kind == "delta"
+    again = shrink.load(tmp_path / "2.shrunk")
+    assert torch.isfinite(again["layer.weight"]).all()
+    assert (again["layer.weight"] - weights["layer.weight"]).abs().max() < 0.5
+
+
+def test_a_delta_over_its_own_base_and_meta_tensors_are_refused(tmp_path):
+    weights = {"layer.weight": torch.randn(128, 64)}
+    first = shrink.save(weights, tmp_path / "0.shrunk")
+    before = (tmp_path / "0.shrunk").read_bytes()
+    with pytest.raises(ConfigurationError, match="as a delta on itself"):
+        shrink.save(weights, tmp_path / "0.shrunk", previous=first)
+    assert (tmp_path / "0.shrunk").read_bytes() == before  # still restorable
+    with pytest.raises(ConfigurationError, match="meta device.*layer.weight"):
+        shrink.save({"layer.weight": torch.empty(4, 4, device="meta")}, tmp_path / "m.shrunk")
+
+
+def test_an_evaluate_that_returns_no_number_is_a_clear_error(tmp_path):
+    model = torch.nn.Linear(64, 128, bias=False)
+    evaluate = live_evaluator(model, lambda module: None)
+    with pytest.raises(ConfigurationError, match="must return a number"):
+        shrink.save(model.state_dict(), tmp_path / "0.shrunk", evaluate=evaluate)
+    assert not (tmp_path / "0.shrunk").exists()
