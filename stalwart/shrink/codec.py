@@ -328,7 +328,12 @@ def pack_object(
             value = value.detach().cpu()
             if form is not None:
                 tensors.append(moment_entry(value, form, coder, sections))
-            elif lossy is not None and value.is_floating_point() and value.numel() >= min_numel:
+            elif (
+                lossy is not None
+                and value.is_floating_point()
+                and value.numel() >= min_numel
+                and bool(torch.isfinite(value).all())  # NaN/inf stay exact (api._non_finite)
+            ):
                 quantized = TensorAnalysis(value).quantize(lossy)
                 tensors.append(quantized_entry(quantized, None, coder, sections, "other"))
             else:

@@ -186,6 +186,7 @@ def moments_of(
     unknown: set[str] = set()
     misshapen: set[str] = set()
     too_small: set[str] = set()
+    non_finite: set[str] = set()
     for parameter, per_parameter in state["state"].items():
         if not isinstance(per_parameter, Mapping):
             unknown.add(type(per_parameter).__name__)
@@ -202,6 +203,9 @@ def moments_of(
                 # (and none has a row or a quantile to compute).
                 too_small.add(key)
                 continue
+            if not bool(torch.isfinite(value).all()):
+                non_finite.add(key)  # exact, so a restore shows what diverged
+                continue
             expected = None if parameter_shapes is None else parameter_shapes.get(parameter)
             if parameter_shapes is not None and (
                 expected is None or tuple(expected) != tuple(value.shape)
@@ -217,6 +221,10 @@ def moments_of(
         notes.append(
             f"optimizer moments {sorted(too_small)} of scalar (0-dim) or empty parameters: "
             "stored losslessly (nothing to compress)"
+        )
+    if non_finite:
+        notes.append(
+            f"optimizer moments {sorted(non_finite)} hold NaN or inf values: stored exactly"
         )
     if unknown:
         notes.append(f"optimizer state {sorted(unknown)} is not a known moment: stored losslessly")

@@ -1,6 +1,7 @@
 """Torn, corrupted, missing or mismatched files: errors naming the file, never wrong tensors."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -160,3 +161,30 @@ def test_an_evaluate_that_returns_no_number_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigurationError, match="must return a number"):
         shrink.save(model.state_dict(), tmp_path / "0.shrunk", evaluate=evaluate)
     assert not (tmp_path / "0.shrunk").exists()
+
+
+@pytest.mark.parametrize("mode", ["lossy", "auto"])
+def test_non_finite_optimizer_moments_are_stored_exactly(tmp_path, mode):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 128)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 64)).sum().backward()
+    optimizer.step()
+    state = optimizer.state_dict()
+    state["state"][0]["exp_avg"][3, 5] = float("nan")
+    state["state"][0]["exp_avg_sq"][0, 0] = float("inf")
+    check = {}
+    if mode == "auto":  # every candidate passes the continuation check
+        shapes = [{0: (128, 64), 1: (128,)}]
+        check = {"continue_training": lambda weights, states: 1.0, "parameter_shapes": shapes}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shrink.save(
+            model.state_dict(), tmp_path / "0.shrunk", extra={"optimizer": state},
+            compress_optimizer=mode, **check,
+        )  # fmt: skip
+    if mode == "auto":  # the moments' note (the lossy mode quantizes unchecked, notes nothing)
+        assert any("NaN or inf values: stored exactly" in str(w.message) for w in caught)
+    _, extra, _ = shrink.load_with_extra(tmp_path / "0.shrunk")
+    restored = extra["optimizer"]["state"][0]
+    assert torch.isnan(restored["exp_avg"][3, 5]) and restored["exp_avg_sq"][0, 0] == float("inf")
