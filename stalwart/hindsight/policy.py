@@ -96,8 +96,12 @@ class JointInvariantPolicy:
         aim: float = DEFAULT_AIM,
     ) -> None:
         self.epsilon = validate_epsilon(epsilon)
-        if restore_ratio < 0:
-            raise ConfigurationError(f"restore_ratio={restore_ratio!r} must be >= 0.")
+        if not 0 <= restore_ratio < math.inf:  # also NaN, which compares False
+            raise ConfigurationError(
+                f"restore_ratio={restore_ratio!r} must be a finite number >= 0 (the restore's "
+                "time as a multiple of the write's; the default is "
+                f"{DEFAULT_RESTORE_RATIO})."
+            )
         if not 0.0 < aim <= 1.0:
             raise ConfigurationError(f"aim={aim!r} must be in (0, 1]: the share of epsilon spent.")
         self.restore_ratio = float(restore_ratio)

@@ -267,6 +267,16 @@ def test_epsilon_outside_zero_one(tmp_path, epsilon):
     assert not dirpath.exists(), "a rejected configuration must not create the run directory"
 
 
+@pytest.mark.parametrize("ratio", [-1.0, math.inf, math.nan])
+def test_a_restore_ratio_that_is_no_finite_cost_is_refused_before_the_fit(tmp_path, ratio):
+    # inf was accepted and the fit crashed at its first epoch end (a division by zero).
+    dirpath = tmp_path / "runs"
+    with pytest.raises(ConfigurationError) as info:
+        HindsightCallback(dirpath=dirpath, restore_ratio=ratio)
+    _assert_says(info.value, f"restore_ratio={ratio!r}", "finite number >= 0")
+    assert not dirpath.exists()
+
+
 def test_bad_epsilon_leaves_an_existing_record_alone(recorded_copy):
     before = _snapshot(recorded_copy)
     with pytest.raises(ConfigurationError):
