@@ -264,24 +264,7 @@ def save(
     path = Path(path)
     if not path.parent.is_dir():
         raise ConfigurationError(f"cannot write {path}: directory {path.parent} does not exist")
-    bad = [name for name, t in state_dict.items() if not isinstance(t, torch.Tensor)]
-    if bad:
-        raise ConfigurationError(f"state_dict values must be tensors; not: {bad[:5]}")
-    meta = [name for name, t in state_dict.items() if t.is_meta]
-    if meta:
-        raise ConfigurationError(
-            f"tensors on the meta device have no values to save: {meta[:5]}; materialize the "
-            "module (e.g. to_empty() and load or initialize its weights) before saving it"
-        )
-    chain = _previous_state(previous)
-    # Where the write lands: a link at ``path`` is replaced, not the file it points to.
-    if chain is not None and chain.path.resolve() == path.parent.resolve() / path.name:
-        raise ConfigurationError(
-            f"cannot write {path} as a delta on itself: the file it extends would be replaced. "
-            "Write to another path, or pass previous=None for a keyframe."
-        )
-    if chain is not None:
-        _check_matches(state_dict, chain)
+    chain = _checked_inputs(state_dict, path, previous)
     state_dict = {name: t.detach().cpu() for name, t in state_dict.items()}
     # Only the model's forwards and backwards gain from the idle cores. The codec's work (masks,
     # sketches, k-means, entropy coding) is many operations on tensors of ~10^4-10^5 elements that
@@ -308,6 +291,34 @@ def save(
         state_dict, weights, path, chain, extra, compress_optimizer == "lossy", coder,
         min_numel, start, moments, side,
     )  # fmt: skip
+
+
+def _checked_inputs(
+    state_dict: Mapping[str, torch.Tensor],
+    path: Path,
+    previous: str | os.PathLike | ShrinkReport | None,
+) -> ChainState | None:
+    """The chain ``previous`` names, once ``state_dict`` and ``path`` can be written as its next
+    file; a ConfigurationError saying what to change otherwise."""
+    bad = [name for name, t in state_dict.items() if not isinstance(t, torch.Tensor)]
+    if bad:
+        raise ConfigurationError(f"state_dict values must be tensors; not: {bad[:5]}")
+    meta = [name for name, t in state_dict.items() if t.is_meta]
+    if meta:
+        raise ConfigurationError(
+            f"tensors on the meta device have no values to save: {meta[:5]}; materialize the "
+            "module (e.g. to_empty() and load or initialize its weights) before saving it"
+        )
+    chain = _previous_state(previous)
+    # Where the write lands: a link at ``path`` is replaced, not the file it points to.
+    if chain is not None and chain.path.resolve() == path.parent.resolve() / path.name:
+        raise ConfigurationError(
+            f"cannot write {path} as a delta on itself: the file it extends would be replaced. "
+            "Write to another path, or pass previous=None for a keyframe."
+        )
+    if chain is not None:
+        _check_matches(state_dict, chain)
+    return chain
 
 
 def _check_arguments(
