@@ -9,10 +9,12 @@ never recreated.
 
 A target is a dict with a ``kind``:
 
-* ``{"kind": "tensorboard", "log_dir": ...}``: a new event file in that directory.
-* ``{"kind": "csv", "path": ...}``: rows appended to Lightning's ``metrics.csv`` (columns
-  ``epoch``, ``step`` and one per metric; the file is rewritten through a temporary file when
-  the replay adds columns).
+* ``{"kind": "tensorboard", "log_dir": ...}``: a new event file in that directory, with the
+  points no earlier replay's event file there holds (the first replay of a series keeps it).
+* ``{"kind": "csv", "path": ...}``: values put into Lightning's ``metrics.csv`` (columns
+  ``epoch``, ``step`` and one per metric) on the row of their (epoch, step), replacing an
+  earlier replay's value of the same name and step; the file is rewritten through a
+  temporary file.
 * ``{"kind": "mlflow", "tracking_uri": ..., "run_id": ...}``: metrics added to that run, and
   its ``stalwart.replays`` tag lists the replays written into it.
 * ``{"kind": "unsupported", "name": ...}``: a logger the record could not describe.
@@ -117,8 +119,19 @@ def target_problem(target: Mapping[str, Any]) -> str | None:
 
 
 def _tensorboard(points: pd.DataFrame, target: Mapping[str, Any], replay_id: str) -> str:
+    """A new event file with the points no earlier replay wrote to this directory.
+
+    An event file cannot be rewritten in place, so the first replay of a series keeps its
+    points: a (tag, step) already in an earlier replay's event file (``*.replay-<id>``) is
+    skipped, and nothing is written when every point is.
+    """
     from torch.utils.tensorboard import SummaryWriter
 
+    written = _replayed_tensorboard_points(Path(target["log_dir"]))
+    keys = zip(points.name, points.step.astype(int), strict=True)
+    points = points.loc[[key not in written for key in keys]]
+    if points.empty:
+        return f"TensorBoard {target['log_dir']} (already written by an earlier replay)"
     writer = SummaryWriter(log_dir=target["log_dir"], filename_suffix=f".replay-{replay_id}")
     try:
         for row in points.itertuples(index=False):
@@ -128,16 +141,57 @@ def _tensorboard(points: pd.DataFrame, target: Mapping[str, Any], replay_id: str
     return f"TensorBoard {target['log_dir']}"
 
 
+def _replayed_tensorboard_points(log_dir: Path) -> set[tuple[str, int]]:
+    """The (tag, step) of every scalar that earlier replays wrote into ``log_dir``."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    points = set()
+    for path in log_dir.glob("events.out.tfevents.*.replay-*"):
+        for event in EventFileLoader(str(path)).Load():
+            if event.HasField("summary"):
+                points.update((value.tag, int(event.step)) for value in event.summary.value)
+    return points
+
+
 def _csv(points: pd.DataFrame, target: Mapping[str, Any], replay_id: str) -> str:
+    """Replayed values into ``metrics.csv``, one per name and step.
+
+    A value goes on the first row of its (epoch, step) (beside the record's values of that
+    batch), or on a new row when there is none. A series replayed again replaces the values an
+    earlier replay wrote at the same steps; rows left with no value are dropped.
+    """
     path = Path(target["path"])
-    existing = pd.read_csv(path)
-    # One row per (epoch, step), one column per replayed series: the layout Lightning writes.
-    wide = points.pivot_table(index=["epoch", "step"], columns="name", values="value")
-    wide = wide.reset_index()
-    wide.columns.name = None
-    merged = pd.concat([existing, wide], ignore_index=True)
+    merged = _merge_csv(pd.read_csv(path), points)
     durable.write_text(path, merged.to_csv(index=False))
     return f"CSV {path}"
+
+
+def _merge_csv(existing: pd.DataFrame, points: pd.DataFrame) -> pd.DataFrame:
+    for name, steps in points.groupby("name").step:
+        if name not in existing:
+            existing[name] = float("nan")
+        existing.loc[existing.step.isin(steps), name] = float("nan")
+    rows = {}
+    for index, epoch, step in zip(existing.index, existing.epoch, existing.step, strict=True):
+        if not (pd.isna(epoch) or pd.isna(step)):
+            rows.setdefault((int(epoch), int(step)), index)
+    pending = []
+    for point in points.itertuples(index=False):
+        index = rows.get((int(point.epoch), int(point.step)))
+        if index is None:
+            pending.append(point)
+        else:
+            existing.at[index, point.name] = point.value
+    if pending:
+        # One row per (epoch, step), one column per replayed series: the layout Lightning writes.
+        wide = pd.DataFrame(pending).pivot_table(
+            index=["epoch", "step"], columns="name", values="value"
+        )
+        wide = wide.reset_index()
+        wide.columns.name = None
+        existing = pd.concat([existing, wide], ignore_index=True)
+    values = existing.drop(columns=["epoch", "step"], errors="ignore")
+    return existing.loc[values.notna().any(axis=1)].reset_index(drop=True)
 
 
 def _mlflow(points: pd.DataFrame, target: Mapping[str, Any], replay_id: str) -> str:
