@@ -18,6 +18,8 @@ import logging
 import os
 import statistics
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -28,6 +30,7 @@ from composer.core import Algorithm, Callback, Engine, Event, State
 from composer.loggers import Logger, LoggerDestination
 from composer.trainer import Trainer
 from composer.utils import reproducibility
+from torch.utils.data import DataLoader
 
 from stalwart.errors import ConfigurationError, ReplayError
 from stalwart.hindsight import replay as core
@@ -200,6 +203,57 @@ _APPLIED_AT = frozenset(
 )
 
 
+def persistent_loaders(state: State) -> list[str]:
+    """Which of a Trainer's DataLoaders (``"training"``, ``"evaluation"``) keep their worker
+    processes from epoch to epoch (``persistent_workers=True``)."""
+    loaders = [("training", state.train_dataloader)] + [
+        ("evaluation", getattr(evaluator.dataloader, "dataloader", None))
+        for evaluator in state.evaluators or []
+    ]
+    persistent = {
+        kind: None
+        for kind, loader in loaders
+        if isinstance(loader, DataLoader) and loader.persistent_workers and loader.num_workers
+    }
+    return list(persistent)  # each kind once, training first
+
+
+def warn_persistent_workers(state: State, name: str) -> None:
+    """Warn, once a fit, where a training or evaluation DataLoader keeps its workers (the
+    Composer side of :func:`stalwart.callbacks.hindsight.warn_persistent_workers`).
+
+    Persistent workers are seeded once, when their loader is first iterated, and their random
+    state then runs on from epoch to epoch inside the worker processes, where no checkpoint can
+    hold it: a fit resumed from an epoch checkpoint draws other data than the record did.
+    """
+    persistent = persistent_loaders(state)
+    if persistent:
+        warnings.warn(
+            f"{name}: the {' and '.join(persistent)} DataLoader uses "
+            "persistent_workers=True: its worker processes are seeded once and keep their "
+            "random state from epoch to epoch, which no checkpoint holds, so a replay or a "
+            "resume from this record will not reproduce its data (order and augmentation) "
+            "bit for bit (a replay reports the differences as mismatches); pass "
+            "persistent_workers=False to the DataLoader for a record that replays exactly.",
+            stacklevel=2,
+        )
+
+
+def persistent_workers_cause(persistent: list[str]) -> str | None:
+    """Why replayed values differ, where the factory's DataLoaders tell: persistent workers
+    (the Composer side of ``stalwart.trainer._data_cause``)."""
+    if not persistent:
+        return None
+    return (
+        f"The {' and '.join(persistent)} DataLoader keeps its worker processes from epoch to "
+        "epoch (persistent_workers=True): their random state (e.g. a dataset's random "
+        "augmentation) is in no checkpoint, so an epoch replayed from one draws other data than "
+        "the record did, and init='strong' does not change that. Record with "
+        "persistent_workers=False (workers are then seeded from the checkpointed RNG each epoch) "
+        "to replay such epochs exactly."
+    )
+
+
 class CallbackDispatch:
     """What Composer's engine spends handing each event to one callback, measured in place.
 
@@ -295,6 +349,10 @@ class Hindsight(Algorithm):
         self._destination.on_close = lambda: self._finish("failed")
         self._loaded: dict | None = None
         self._first_epoch = True
+        #: The State of the Trainer whose fit this instance last recorded: a fit that finds the
+        #: same State continues that Trainer (a second ``fit()``), not a resume from a file.
+        self._fitted: weakref.ref[State] | None = None
+        self._continued = False
         #: Between an EPOCH_START and its EPOCH_CHECKPOINT: at FIT_END, the fit stopped inside.
         self._in_epoch = False
         #: Composer's cost of handing each event to the destination (from FIT_START).
@@ -335,13 +393,18 @@ class Hindsight(Algorithm):
             _attach(state, logger, self._destination)
         elif event == Event.FIT_START:
             self._begin(state, logger)
+            warn_persistent_workers(state, self.recorder.name)
         elif event == Event.EPOCH_START:  # (match has tracked it)
             if self._first_epoch:
                 self._first_epoch = False
-                if int(state.timestamp.batch) == 0:
+                if int(state.timestamp.batch) == 0 or self._continued:
                     # Taken here, not at FIT_START: Composer spins the dataloaders in between
-                    # (drawing from the RNG), and a resume restores the RNG after spinning.
-                    recorder.write_initial(lambda: composer_checkpoint(state), 0)
+                    # (drawing from the RNG), and a resume restores the RNG after spinning. A
+                    # fit continued on the same Trainer starts from its state there (its step
+                    # and epoch are in the checkpoint's timestamp); one resumed from a file
+                    # replays its first epochs from that file.
+                    step = int(state.timestamp.batch)
+                    recorder.write_initial(lambda: composer_checkpoint(state), step)
                 recorder.train_started()
             recorder.epoch_started()
             self._in_epoch = True
@@ -417,6 +480,8 @@ class Hindsight(Algorithm):
             self._loaded = None
         self._first_epoch = True
         self._in_epoch = False
+        self._continued = self._fitted is not None and self._fitted() is state
+        self._fitted = weakref.ref(state)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "recorder": self.recorder.state_dict()}
@@ -503,9 +568,10 @@ def _recorded_model_state(entry: CheckpointEntry) -> dict:
 
 def _reference(
     trainer_factory: Callable[..., Trainer], dirpath: str | os.PathLike | None
-) -> tuple[dict, str, str | os.PathLike]:
-    """The factory's model (state and class) and the record's directory (default: its
-    ``Hindsight``'s), from a Trainer built and closed without training."""
+) -> tuple[dict, str, str | os.PathLike, Callable[[], str | None]]:
+    """The factory's model (state and class), the record's directory (default: its
+    ``Hindsight``'s) and the replay's ``explain`` (what its DataLoaders tell of why replayed
+    values differ), from a Trainer built and closed without training."""
     with _replaying():
         # A replay writes no checkpoint, and resumes from the record's file, not from the newest
         # in a save folder: autoresume (which needs a save folder) is off too.
@@ -521,8 +587,9 @@ def _reference(
             )
         dirpath = hindsight.dirpath
     model_state = model.state_dict()
+    explain = functools.partial(persistent_workers_cause, persistent_loaders(reference.state))
     reference.close()
-    return model_state, model_class, dirpath
+    return model_state, model_class, dirpath, explain
 
 
 def replay(
@@ -581,7 +648,7 @@ def replay(
         result.metrics("probe/weight_norm")
     """
     probes = _probes(probe)
-    model_state, model_class, dirpath = _reference(trainer_factory, dirpath)
+    model_state, model_class, dirpath, explain = _reference(trainer_factory, dirpath)
     setup = core.prepare(dirpath, run, epochs, workers, dry_run=dry_run)
     targets = core.logger_targets(setup.run, loggers)
     entries = setup.entries
@@ -624,7 +691,7 @@ def replay(
             trainer.close()
 
     outcome = core.run_segments(
-        setup, INNER, segments, replay_segment, dry_run=dry_run, targets=targets
+        setup, INNER, segments, replay_segment, dry_run=dry_run, targets=targets, explain=explain
     )
     log.info("%s", outcome if dry_run else outcome.summary())
     return outcome
