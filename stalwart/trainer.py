@@ -27,6 +27,7 @@ from stalwart.callbacks.replay_loggers import lightning_points, write_to_loggers
 from stalwart.errors import ConfigurationError
 from stalwart.hindsight import replay as core
 from stalwart.hindsight.estimate import ReplayEstimate
+from stalwart.hindsight.persistent_workers import persistent_workers_cause
 from stalwart.hindsight.plan import Segment
 from stalwart.hindsight.replay import Mismatch, ReplayResult
 from stalwart.hindsight.store import RESUMED_FILE_KEY
@@ -318,16 +319,7 @@ def _data_cause(model: LightningModule, datamodule: LightningDataModule | None) 
         apply_to_collection(loaders, DataLoader, found.append)
         if any(loader.persistent_workers and loader.num_workers for loader in found):
             persistent.append(kind)
-    if not persistent:
-        return None
-    return (
-        f"The {' and '.join(persistent)} DataLoader keeps its worker processes from epoch to "
-        "epoch (persistent_workers=True): their random state (e.g. a dataset's random "
-        "augmentation) is in no checkpoint, so an epoch replayed from one draws other data than "
-        "the record did, and init='strong' does not change that. Record with "
-        "persistent_workers=False (workers are then seeded from the checkpointed RNG each epoch) "
-        "to replay such epochs exactly."
-    )
+    return persistent_workers_cause(persistent)
 
 
 def _logger_instances(loggers: Any) -> list[Logger] | None:

@@ -6,6 +6,8 @@ import lightning as L
 from digits import DigitsClassifier, DigitsDataModule
 from lightning.pytorch.profilers import PassThroughProfiler
 
+from stalwart import HindsightCallback
+
 #: Trainer arguments that keep a test's fit from writing logs, checkpoints or progress output.
 QUIET = {
     "logger": False,
@@ -37,3 +39,17 @@ def callback_hooks_called(profiler: SectionNames, callback) -> list[str]:
     """The hooks Lightning handed ``callback``, in order, as its profiler sections name them."""
     prefix = f"[Callback]{callback.state_key}."
     return [name[len(prefix) :] for name in profiler.sections if name.startswith(prefix)]
+
+
+class EveryEpoch(HindsightCallback):
+    """A record that checkpoints every epoch, whatever the policy says: a fixed replay plan."""
+
+    def should_checkpoint(self, trainer, policy_says: bool) -> bool:
+        return True
+
+
+class GradProbe(L.Callback):
+    """Inner-loop: the first layer's gradient norm before every optimizer step (digits MLP)."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        pl_module.log("grad_norm", pl_module.net[0].weight.grad.norm())

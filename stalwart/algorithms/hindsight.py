@@ -38,6 +38,10 @@ from stalwart.hindsight.checkpoint_file import verify_checkpoint
 from stalwart.hindsight.estimate import ReplayEstimate
 from stalwart.hindsight.fingerprint import hook_fingerprints
 from stalwart.hindsight.materializer import Materializer, tensor_bytes
+from stalwart.hindsight.persistent_workers import (
+    persistent_workers_cause,
+    persistent_workers_warning,
+)
 from stalwart.hindsight.plan import INNER, Segment
 from stalwart.hindsight.policy import DEFAULT_EPSILON, DEFAULT_RESTORE_RATIO
 from stalwart.hindsight.recorder import Recorder
@@ -228,30 +232,7 @@ def warn_persistent_workers(state: State, name: str) -> None:
     """
     persistent = persistent_loaders(state)
     if persistent:
-        warnings.warn(
-            f"{name}: the {' and '.join(persistent)} DataLoader uses "
-            "persistent_workers=True: its worker processes are seeded once and keep their "
-            "random state from epoch to epoch, which no checkpoint holds, so a replay or a "
-            "resume from this record will not reproduce its data (order and augmentation) "
-            "bit for bit (a replay reports the differences as mismatches); pass "
-            "persistent_workers=False to the DataLoader for a record that replays exactly.",
-            stacklevel=2,
-        )
-
-
-def persistent_workers_cause(persistent: list[str]) -> str | None:
-    """Why replayed values differ, where the factory's DataLoaders tell: persistent workers
-    (the Composer side of ``stalwart.trainer._data_cause``)."""
-    if not persistent:
-        return None
-    return (
-        f"The {' and '.join(persistent)} DataLoader keeps its worker processes from epoch to "
-        "epoch (persistent_workers=True): their random state (e.g. a dataset's random "
-        "augmentation) is in no checkpoint, so an epoch replayed from one draws other data than "
-        "the record did, and init='strong' does not change that. Record with "
-        "persistent_workers=False (workers are then seeded from the checkpointed RNG each epoch) "
-        "to replay such epochs exactly."
-    )
+        warnings.warn(persistent_workers_warning(name, persistent), stacklevel=2)
 
 
 class CallbackDispatch:

@@ -42,6 +42,7 @@ from stalwart.callbacks.replay_loggers import describe_loggers
 from stalwart.hindsight.checkpoint_file import checksum_file
 from stalwart.hindsight.fingerprint import hook_fingerprints
 from stalwart.hindsight.materializer import Materializer, tensor_bytes
+from stalwart.hindsight.persistent_workers import persistent_workers_warning
 from stalwart.hindsight.policy import DEFAULT_EPSILON, DEFAULT_RESTORE_RATIO, JointInvariantPolicy
 from stalwart.hindsight.recorder import LOG_FLUSH_SECONDS, Recorder
 from stalwart.hindsight.store import HindsightStore
@@ -359,12 +360,4 @@ def warn_persistent_workers(trainer: Trainer, checked: set[str], name: str) -> N
             persistent.append(kind)
     if persistent:
         checked |= {"training", "validation"}  # one warning a fit is enough
-        warnings.warn(
-            f"{name}: the {' and '.join(persistent)} DataLoader uses "
-            "persistent_workers=True: its worker processes are seeded once and keep their "
-            "random state from epoch to epoch, which no checkpoint holds, so a replay or a "
-            "resume from this record will not reproduce its data (order and augmentation) "
-            "bit for bit (a replay reports the differences as mismatches); pass "
-            "persistent_workers=False to the DataLoader for a record that replays exactly.",
-            stacklevel=2,
-        )
+        warnings.warn(persistent_workers_warning(name, persistent), stacklevel=2)

@@ -15,7 +15,7 @@ from digits import DigitsClassifier, DigitsDataModule
 from torch.utils.data import DataLoader
 
 import stalwart
-from stalwart import HindsightCallback
+from tests.helpers import EveryEpoch
 
 QUIET = {
     "logger": False,
@@ -38,11 +38,6 @@ class SeededLoaderDigits(DigitsDataModule):
             self.train, batch_size=self.batch_size, shuffle=True, generator=generator,
             num_workers=self.num_workers,
         )  # fmt: skip
-
-
-class EveryEpoch(HindsightCallback):
-    def should_checkpoint(self, trainer, policy_says: bool) -> bool:
-        return True
 
 
 class BatchProbe(L.Callback):

@@ -15,17 +15,12 @@ from digits import DigitsClassifier, DigitsDataModule
 from lightning.pytorch.loggers import Logger
 
 import stalwart
-from stalwart import HindsightCallback
+from tests.helpers import EveryEpoch
 
 BATCHES = 5  # 640 training samples / 128
 #: Where the record stops: 2 batches into epoch 3, or at the end of epoch 3.
 LIMITS = {"ends_mid_epoch": 3 * BATCHES + 2, "ends_at_epoch_end": 4 * BATCHES}
 QUIET = {"enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
-
-
-class EveryEpoch(HindsightCallback):
-    def should_checkpoint(self, trainer, policy_says: bool) -> bool:
-        return True
 
 
 class PlateauEveryEpoch(DigitsClassifier):

@@ -12,26 +12,15 @@ from digits import DigitsClassifier, DigitsDataModule
 from torch.utils.data import DataLoader, Dataset
 
 import stalwart
-from stalwart import HindsightCallback
 from stalwart.hindsight.check import BatchMismatch, Mismatch
-from tests.helpers import QUIET
+from tests.helpers import QUIET, EveryEpoch, GradProbe
 
 BATCHES = 4  # 512 training samples / 128
-
-
-class EveryEpoch(HindsightCallback):
-    def should_checkpoint(self, trainer, policy_says: bool) -> bool:
-        return True
 
 
 class EpochProbe(L.Callback):
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         pl_module.log("w_norm", pl_module.net[0].weight.norm())
-
-
-class GradProbe(L.Callback):
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        pl_module.log("grad_norm", pl_module.net[0].weight.grad.norm())
 
 
 def trainer(dirpath, **kwargs) -> stalwart.Trainer:

@@ -19,16 +19,10 @@ import torch
 from digits import DigitsClassifier, DigitsDataModule
 
 import stalwart
-from stalwart import HindsightCallback
 from stalwart.trainer import is_compiled, training_copy, uncompiled
-from tests.helpers import QUIET
+from tests.helpers import QUIET, EveryEpoch
 
 EPOCHS = 3
-
-
-class EveryEpoch(HindsightCallback):
-    def should_checkpoint(self, trainer, policy_says: bool) -> bool:
-        return True
 
 
 class WeightProbe(L.Callback):

@@ -17,7 +17,7 @@ import stalwart
 from stalwart import HindsightCallback, ReplayError
 from stalwart.hindsight.store import RESUMED_FILE_KEY
 from stalwart.rng import RNG_KEY
-from tests.helpers import QUIET
+from tests.helpers import QUIET, GradProbe
 
 BATCHES = 4  # 512 training samples / 128
 
@@ -27,11 +27,6 @@ class OddEpochs(HindsightCallback):
 
     def should_checkpoint(self, trainer, policy_says: bool) -> bool:
         return trainer.current_epoch % 2 == 1
-
-
-class GradProbe(L.Callback):
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        pl_module.log("grad_norm", pl_module.net[0].weight.grad.norm())
 
 
 def fresh():

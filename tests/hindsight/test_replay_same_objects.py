@@ -10,12 +10,7 @@ import torch
 from digits import DigitsClassifier, DigitsDataModule
 
 import stalwart
-from tests.helpers import QUIET
-
-
-class GradProbe(L.Callback):
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        pl_module.log("grad_norm", pl_module.net[0].weight.grad.norm())
+from tests.helpers import QUIET, GradProbe
 
 
 def test_a_replay_takes_the_objects_the_fit_trained(tmp_path):
