@@ -15,22 +15,17 @@ import torch
 from digits import DigitsClassifier, DigitsDataModule
 
 import stalwart
-from stalwart import HindsightCallback
 from stalwart.hindsight.numerics import NUMERICS_KEY
 from stalwart.hindsight.replay import Mismatch
-from tests.helpers import QUIET
+from tests import helpers
+from tests.helpers import QUIET, EveryEpoch
 
 EPOCHS = 4
 
 
-class EveryEpoch(HindsightCallback):
-    def should_checkpoint(self, trainer, policy_says: bool) -> bool:
-        return True
-
-
-class GradProbe(L.Callback):
+class GradProbe(helpers.GradProbe):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        pl_module.log("grad_norm", pl_module.net[0].weight.grad.norm())
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
         pl_module.log("torch_threads", float(torch.get_num_threads()))
 
 
