@@ -41,6 +41,7 @@ from stalwart.shrink.search import (
     DEFAULT_SCREEN_ACCEPT,
     ConfigSearch,
     check_adapter_arguments,
+    check_writer_arguments,
     learning_rate_share,
 )
 
@@ -131,6 +132,9 @@ class Shrink(Algorithm):
         check_adapter_arguments(
             tau, eval_batches, screen_fraction, grad_window, grad_beta, continue_steps
         )
+        # As ShrinkCheckpoint and ShrinkCheckpointIO check them: a typo in coder, or a
+        # keyframe_every of 2.5, failed only at the first save, after training up to it.
+        check_writer_arguments(tau, keyframe_every, coder)
         self.writer = ChainWriter(
             tau=tau, keyframe_every=keyframe_every, compress_optimizer=compress_optimizer,
             coder=coder,
@@ -200,6 +204,9 @@ class Shrink(Algorithm):
                 "pass save_folder='checkpoints' (and save_interval, e.g. '1ep') to the Trainer."
             )
         # What an earlier Trainer of this instance saw (its batches, gradients) is not this one's.
+        # Its chain is kept: a save into its folder may extend it (retiring there keeps what a
+        # delta needs), one into another folder starts a keyframe (ChainWriter), so deleting the
+        # earlier run's folder breaks nothing of this one's.
         self._state = state
         self._held_out = None
         self._recent.clear()

@@ -10,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from stalwart.callbacks.lightning_internals import silenced_log, skip_unused_hooks
 from stalwart.errors import ConfigurationError
@@ -68,7 +69,10 @@ class ShrinkCheckpoint(ModelCheckpoint):
             ``tau=0.05`` ended +1.1..+2.4% behind in validation bpc over eight seeds, with this
             within 1% on seven (at ~13% more bytes; docs/measurements/shrink.md). At a constant
             rate (or without a scheduler) it changes nothing. False holds every save to ``tau``.
-        every_n_epochs: save every this many epochs (``every_n_train_steps`` also works).
+        every_n_epochs: save every this many epochs (default 1 unless ``every_n_train_steps``
+            or ``train_time_interval`` is given; those work too, as in ``ModelCheckpoint``). A
+            save by ``train_time_interval`` cannot be foreseen: its gradient EMA is the one
+            captured over the last ``grad_window`` batches of an epoch before it.
         keyframe_every: a full checkpoint (no delta) every this many saves.
         compress_optimizer: ``"auto"`` (default: the moments' form chosen by the continuation
             check; lossless under manual optimization, where no step can be replayed),
@@ -125,7 +129,7 @@ class ShrinkCheckpoint(ModelCheckpoint):
         dirpath: str | None = None,
         tau: float = 0.05,
         tau_follows_lr: bool = True,
-        every_n_epochs: int | None = 1,
+        every_n_epochs: int | None = None,
         keyframe_every: int = 10,
         compress_optimizer: str = "auto",
         continue_steps: int = 4,
@@ -144,10 +148,9 @@ class ShrinkCheckpoint(ModelCheckpoint):
         check_adapter_arguments(
             tau, eval_batches, screen_fraction, grad_window, grad_beta, continue_steps
         )
-        #: Steps between saves (0: saves by epoch), for the gradient window.
+        #: Steps between saves (0: saves by epoch or time), for the gradient window.
         self._save_every_steps: int = kwargs.get("every_n_train_steps") or 0
-        if self._save_every_steps:
-            every_n_epochs = None
+        # ModelCheckpoint saves every epoch when no schedule is given, and refuses two.
         super().__init__(
             dirpath=dirpath, every_n_epochs=every_n_epochs, save_top_k=save_top_k, **kwargs
         )
@@ -182,16 +185,44 @@ class ShrinkCheckpoint(ModelCheckpoint):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        current = trainer.strategy.checkpoint_io
-        if current is not self.io:
-            if not isinstance(current, ShrinkCheckpointIO):
-                self.io.delegate = current
-            trainer.strategy.checkpoint_io = self.io
+        self._install_io(trainer)
         if self.evaluate is None and not pl_module.automatic_optimization:
             raise ConfigurationError(
                 "ShrinkCheckpoint scores candidates with training_step, which steps the optimizer "
                 "under manual optimization; pass evaluate=lambda module: <held-out loss>."
             )
+        held_out = trainer.enable_validation or _datamodule_has_val_dataloader(trainer)
+        if self.evaluate is None and stage == "fit" and not held_out:
+            raise _no_validation_batches(trainer, pl_module)  # now, not after training to a save
+
+    def _install_io(self, trainer: pl.Trainer) -> None:
+        """Route the Trainer's saves and loads through this callback's ShrinkCheckpointIO.
+
+        A Trainer has one checkpoint IO: a second ShrinkCheckpoint's saves, or those of a
+        ShrinkCheckpointIO the user passed, would be written with this one's settings (or this
+        one's with theirs), so both are refused rather than silently ignored.
+        """
+        if any(c is not self and isinstance(c, ShrinkCheckpoint) for c in trainer.callbacks):
+            raise ConfigurationError(
+                "One ShrinkCheckpoint per Trainer: its saves all go through the Trainer's one "
+                "checkpoint IO, so a second ShrinkCheckpoint's settings (tau, its chain) would be "
+                "ignored. Keep one ShrinkCheckpoint (its monitor and save_top_k choose which "
+                "files are kept) and add a plain ModelCheckpoint for any other schedule (its "
+                "files are ordinary Lightning checkpoints)."
+            )
+        current = trainer.strategy.checkpoint_io
+        if current is self.io:
+            return  # a later fit of the same Trainer
+        if isinstance(current, ShrinkCheckpointIO):
+            raise ConfigurationError(
+                "ShrinkCheckpoint brings its own ShrinkCheckpointIO, and this Trainer was given "
+                "one in plugins=[...], whose settings would be ignored. Pass them to "
+                "ShrinkCheckpoint instead (tau, keyframe_every, compress_optimizer, coder, "
+                "background) and drop the plugin, or keep the plugin with a plain "
+                "ModelCheckpoint (a fixed configuration, no search)."
+            )
+        self.io.delegate = current
+        trainer.strategy.checkpoint_io = self.io
 
     # --- gradient EMA over the window before each save -------------------------------------
 
@@ -324,14 +355,11 @@ class ShrinkCheckpoint(ModelCheckpoint):
         loaders = trainer.val_dataloaders
         if isinstance(loaders, list | tuple):
             loaders = loaders[0] if loaders else None
-        if loaders is None and trainer.datamodule is not None:
+        if loaders is None and _datamodule_has_val_dataloader(trainer):
             # No validation loop this fit (e.g. limit_val_batches=0): the data is still there.
             loaders = trainer.datamodule.val_dataloader()
         if loaders is None:
-            raise ConfigurationError(
-                "ShrinkCheckpoint scores candidates on validation batches, but this fit has no "
-                "validation dataloader; add one or pass evaluate=lambda module: <held-out loss>."
-            )
+            raise _no_validation_batches(trainer, module)
         self._held_out = first_batches(loaders, self.eval_batches, trainer.strategy.batch_to_device)
         return self._held_out
 
@@ -344,3 +372,31 @@ class ShrinkCheckpoint(ModelCheckpoint):
         state_dict = dict(state_dict)
         self.search.load_state_dict(state_dict.pop("shrink_search", {}))
         super().load_state_dict(state_dict)
+
+
+def _datamodule_has_val_dataloader(trainer: pl.Trainer) -> bool:
+    """Whether the fit's datamodule has validation data, which is there even with no validation."""
+    return trainer.datamodule is not None and is_overridden("val_dataloader", trainer.datamodule)
+
+
+def _no_validation_batches(trainer: pl.Trainer, module: pl.LightningModule) -> ConfigurationError:
+    """What to do when ShrinkCheckpoint has no validation batches to score candidates on."""
+    if trainer.limit_val_batches == 0:
+        why = (
+            "validation is off in this fit (limit_val_batches=0), so Lightning loads no "
+            "validation dataloader, not even one given to fit"
+        )
+    elif not is_overridden("validation_step", module):
+        why = (
+            "the LightningModule has no validation_step, so Lightning runs no validation and "
+            "loads no validation dataloader, not even one given to fit"
+        )
+    elif not trainer.enable_validation:
+        why = "this fit was given no validation dataloader"
+    else:
+        why = "Lightning has loaded no validation dataloader by this save (no validation ran yet)"
+    return ConfigurationError(
+        f"ShrinkCheckpoint scores candidates on validation batches, but {why}. Pass "
+        "evaluate=lambda module: <held-out loss>, or give the validation data in a "
+        "LightningDataModule (its val_dataloader() is read even where validation does not run)."
+    )

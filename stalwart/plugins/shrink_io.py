@@ -16,6 +16,7 @@ from stalwart.shrink.codec import ChainState
 from stalwart.shrink.container import is_shrunk_file
 from stalwart.shrink.entropy import DEFAULT_CODER
 from stalwart.shrink.partition import QuantConfig
+from stalwart.shrink.search import check_writer_arguments
 
 __all__ = ["OPTIMIZER_MODES", "RETIRED_FILE", "ShrinkCheckpointIO", "ShrinkRequest"]
 
@@ -74,6 +75,7 @@ class ShrinkCheckpointIO(CheckpointIO):
         delegate: CheckpointIO | None = None,
         background: bool = False,
     ) -> None:
+        check_writer_arguments(tau, keyframe_every, coder)
         self.writer = ChainWriter(
             tau, config, keyframe_every, compress_optimizer, coder, background=background
         )

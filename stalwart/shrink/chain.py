@@ -109,6 +109,10 @@ class ChainWriter:
     (a path the chain extended before it was written again), that content is first moved aside,
     hidden as ``.<name>.superseded-<crc32>`` and retired, where loading the delta finds it.
 
+    A delta is only ever written against a file in its own folder: a save into another folder
+    than the chain's last file (a filename with a ``/``, a run resumed into a new folder) starts
+    a keyframe, so each folder restores on its own, whatever is retired or deleted elsewhere.
+
     Example::
 
         chain = ChainWriter(keyframe_every=5)
@@ -155,6 +159,7 @@ class ChainWriter:
         self._pending: tuple[ForkedCall, ConfigSearch | None] | None = None
         # Paths this writer has written: a path written again is a side save (see ShrinkRequest).
         self._written: set[Path] = set()
+        self._warned_folders = False  # whether a keyframe for a change of folder was warned of
 
     def save(
         self,
@@ -168,6 +173,8 @@ class ChainWriter:
         self.wait()
         request = request or ShrinkRequest()
         path = Path(path)
+        if self.chain is not None and self._in_another_folder(self.chain, path):
+            self.chain = None  # decided here, not in a background child: its notes die with it
         side = self._is_side(path, request)
         self._written.add(_location(path))
         if not self.background:
@@ -299,6 +306,26 @@ class ChainWriter:
         else:
             self._checked, self._unchecked = None, 0
 
+    def _in_another_folder(self, previous: ChainState, path: Path) -> bool:
+        """Whether ``path`` is in another folder than the file the chain would extend: then it
+        starts a keyframe, so that every folder restores on its own. Retiring files (save_top_k,
+        Composer's rotation) looks at one folder, and users delete whole folders (an old run's,
+        once a run resumed from it into a new one writes elsewhere): a delta on a file in
+        another folder broke when either happened."""
+        if _location(previous.path).parent == _location(path).parent:
+            return False
+        # Once loudly (it costs compression, and a filename with a "/" in it, e.g. a metric
+        # named "val/acc", puts every checkpoint in a folder of its own), then quietly.
+        say = log.info if self._warned_folders else log.warning
+        self._warned_folders = True
+        say(
+            "%s is in another folder than %s, the file the chain would extend: it starts a new "
+            "keyframe, so that each folder's checkpoints restore without the other's. Keep "
+            "checkpoints in one folder (no '/' in the filename) for deltas between them.",
+            path, previous.path,
+        )  # fmt: skip
+        return True
+
     @staticmethod
     def _optimizer_changed(previous: ChainState, extra: Any) -> bool:
         if previous.optimizer_signature is None:
@@ -368,7 +395,8 @@ def _location(path: Path) -> Path:
 @dataclass
 class _Folder:
     """Who depends on whom in one checkpoint folder: each shrunken file's CRC-32 and the base it
-    was written against, as (name, CRC-32); a base outside the folder is not followed."""
+    was written against, as (name, CRC-32); a base outside the folder is not followed (a
+    :class:`ChainWriter` writes none: a save into another folder starts a keyframe)."""
 
     crcs: dict[str, int]
     bases: dict[str, tuple[str, int] | None]

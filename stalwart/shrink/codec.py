@@ -13,9 +13,10 @@ shuffled into one zstd stream (``encode_lossless``); they are still read.
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -300,6 +301,50 @@ def decode_quantized(
     )
 
 
+def map_items(value: Any, convert: Callable[[Any], Any]) -> Any:
+    """``value`` with ``convert`` applied to each item when it is a dict, list or tuple, of the
+    same type; any other value as it is.
+
+    A subclass's constructor need not take what its base's does (``Counter(pairs)`` counts the
+    pairs, ``defaultdict`` takes a factory first, a namedtuple its fields one by one), so a dict
+    or list subclass is copied, which keeps its type and what it carries (a defaultdict's factory,
+    an OrderedDict's order), and its items replaced; a tuple subclass is rebuilt only when its
+    constructor gives back the items it is given, and otherwise kept whole (pickled as
+    ``torch.save`` does, tensors in it included).
+    """
+    kind = type(value)
+    if kind is dict:
+        return {key: convert(item) for key, item in value.items()}
+    if kind is list or kind is tuple:
+        return kind(convert(item) for item in value)
+    if isinstance(value, dict):
+        rebuilt = copy.copy(value)
+        for key, item in value.items():
+            rebuilt[key] = convert(item)
+        return rebuilt
+    if isinstance(value, list):
+        rebuilt = copy.copy(value)
+        rebuilt[:] = [convert(item) for item in value]
+        return rebuilt
+    if isinstance(value, tuple) and _rebuilds_from_items(value):
+        return kind([convert(item) for item in value])
+    return value
+
+
+def _rebuilds_from_items(value: tuple) -> bool:
+    """Whether ``type(value)(items)`` makes a ``value`` of the same items (torch.Size, a
+    structseq; not a namedtuple, whose constructor takes its fields as arguments)."""
+    try:
+        probe = type(value)(list(value))
+    except Exception:  # any constructor of a user's class may refuse a list in its own way
+        return False
+    return (
+        type(probe) is type(value)
+        and len(probe) == len(value)
+        and all(new is old for new, old in zip(probe, value, strict=True))
+    )
+
+
 def pack_object(
     obj: Any,
     sections: SectionWriter,
@@ -339,11 +384,7 @@ def pack_object(
             else:
                 tensors.append(lossless_entry(value, sections))
             return {TENSOR_MARKER: len(tensors) - 1}
-        if isinstance(value, dict):
-            return type(value)((key, strip(item)) for key, item in value.items())
-        if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
-            return type(value)(strip(item) for item in value)
-        return value
+        return map_items(value, strip)
 
     skeleton = io.BytesIO()
     torch.save(strip(obj), skeleton)
@@ -426,13 +467,9 @@ def unpack_object(container: Container, packed: dict, *, weights_only: bool = Tr
     tensors = [decode_entry(container, entry)[0] for entry in packed["tensors"]]
 
     def fill(value: Any) -> Any:
-        if isinstance(value, dict):
-            if set(value) == {TENSOR_MARKER}:
-                return tensors[value[TENSOR_MARKER]]
-            return type(value)((key, fill(item)) for key, item in value.items())
-        if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
-            return type(value)(fill(item) for item in value)
-        return value
+        if isinstance(value, dict) and set(value) == {TENSOR_MARKER}:
+            return tensors[value[TENSOR_MARKER]]
+        return map_items(value, fill)
 
     blob = io.BytesIO(zstd_decompress(container.section(packed["skeleton"])))
     try:

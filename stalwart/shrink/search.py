@@ -45,6 +45,7 @@ for it. At a constant rate nothing changes.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -54,6 +55,7 @@ from typing import Any
 import torch
 
 from stalwart.errors import ConfigurationError
+from stalwart.shrink.entropy import check_coder
 from stalwart.shrink.partition import (
     BIN_CHOICES,
     PAPER_MAX_BINS,
@@ -152,6 +154,23 @@ def check_adapter_arguments(
         )
     if continue_steps < 1:
         raise ConfigurationError(f"continue_steps must be >= 1, got {continue_steps}")
+
+
+def check_writer_arguments(tau: float, keyframe_every: int, coder: str) -> None:
+    """The chain writer's arguments as every adapter takes them (``ShrinkCheckpointIO``, so
+    ``ShrinkCheckpoint``, and Composer's ``Shrink``), checked when the adapter is made: a bad one
+    would otherwise surface only at the first save, after training up to it. Raises
+    :class:`ConfigurationError`."""
+    # tau is checked as check_adapter_arguments checks it; the scoring settings that check also
+    # covers are not the writer's (a ShrinkRequest brings its scorers), so valid ones are passed.
+    check_adapter_arguments(
+        tau, eval_batches=1, screen_fraction=0.0, grad_window=0, grad_beta=1.0, continue_steps=1
+    )
+    if isinstance(keyframe_every, bool) or not isinstance(keyframe_every, numbers.Integral):
+        raise ConfigurationError(
+            f"keyframe_every is a whole number of saves (>= 1), got {keyframe_every!r}"
+        )
+    check_coder(coder)
 
 
 @dataclass
