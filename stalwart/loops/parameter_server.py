@@ -34,6 +34,19 @@ from stalwart.ps.workload import PSWorkload
 
 #: The hooks through which Lightning hands a batch to ``training_step``, in its order.
 BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+#: LightningModule hooks that Lightning's fit calls and a PS run does not: the workers run only
+#: ``training_step`` (with the batch hooks and ``configure_model``) and the PS applies plain SGD.
+#: A module that overrides any of them is told so once, before the run starts.
+UNCALLED_HOOKS = (
+    "configure_optimizers", "configure_gradient_clipping", "optimizer_step",
+    "optimizer_zero_grad", "lr_scheduler_step", "on_before_optimizer_step", "on_before_zero_grad",
+    "backward", "on_before_backward", "on_after_backward", "validation_step", "val_dataloader",
+    "test_step", "test_dataloader", "predict_step", "predict_dataloader", "prepare_data", "setup",
+    "teardown", "configure_callbacks", "on_fit_start", "on_fit_end", "on_train_start",
+    "on_train_end", "on_train_epoch_start", "on_train_epoch_end", "on_train_batch_start",
+    "on_train_batch_end", "on_validation_epoch_start", "on_validation_epoch_end",
+    "on_save_checkpoint", "on_load_checkpoint",
+)  # fmt: skip
 
 
 class LightningPSWorkload(PSWorkload):
@@ -133,9 +146,10 @@ def score(model: torch.nn.Module, metric: Callable[[Any], float]) -> float:
         model.train(training)
 
 
-def prepare_module(model: L.LightningModule) -> None:
+def prepare_module(model: L.LightningModule, lr: float = PSConfig.lr) -> None:
     """Get ``model`` ready to train through the PS, or say why it cannot be, before the run
-    writes a file or starts a process.
+    writes a file or starts a process; warn about what the PS run does differently from
+    Lightning's fit (hooks it does not call, float32 weights). ``lr`` is the PS's SGD rate.
 
     Raises:
         ConfigurationError: manual optimization, or a module without parameters.
@@ -162,6 +176,70 @@ def prepare_module(model: L.LightningModule) -> None:
             "not travel through the parameter server: each worker updates its own, the accuracy "
             "timeline scores the initial ones, and fit loads the workers' final ones, merged.",
             stacklevel=3,
+        )
+    _warn_about_uncalled_hooks(model, lr)
+    _warn_about_precision(model)
+
+
+def _warn_about_uncalled_hooks(model: L.LightningModule, lr: float) -> None:
+    """One warning naming every overridden hook of :data:`UNCALLED_HOOKS`: code the user wrote
+    for Lightning's fit would otherwise be skipped without a word."""
+    uncalled = [name for name in UNCALLED_HOOKS if is_overridden(name, model)]
+    if not uncalled:
+        return
+    if "configure_optimizers" in uncalled:
+        returned = _describe_optimizers(model)
+        uncalled[uncalled.index("configure_optimizers")] = (
+            f"configure_optimizers ({f'it returns {returned}; ' if returned else ''}the parameter "
+            f"server applies plain SGD at lr={lr:g}, PSConfig.lr, instead)"
+        )
+    warnings.warn(
+        f"ParameterServerTrainer does not call these hooks of {type(model).__name__}: "
+        f"{', '.join(uncalled)}. Its workers run only training_step (with the batch transfer "
+        "hooks and configure_model), without a Lightning Trainer; to score held-out data "
+        "during the run, pass metric=.",
+        stacklevel=4,
+    )
+
+
+def _describe_optimizers(model: L.LightningModule) -> str:
+    """What ``configure_optimizers`` returns, e.g. ``"AdamW(lr=0.001), StepLR"``; "" if it
+    cannot be called here (it may need ``self.trainer``, which a PS run does not have)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            returned = model.configure_optimizers()
+    except Exception:  # noqa: BLE001 - only a description is at stake
+        return ""
+    names: list[str] = []
+
+    def visit(item: Any) -> None:
+        if isinstance(item, torch.optim.Optimizer):
+            names.append(f"{type(item).__name__}(lr={item.defaults.get('lr')})")
+        elif isinstance(item, Mapping):
+            for key in ("optimizer", "lr_scheduler", "scheduler"):
+                visit(item.get(key))
+        elif isinstance(item, (list, tuple)):
+            for element in item:
+                visit(element)
+        elif item is not None and hasattr(item, "optimizer") and hasattr(item, "step"):
+            names.append(type(item).__name__)  # a learning-rate scheduler
+
+    visit(returned)
+    return ", ".join(names)
+
+
+def _warn_about_precision(model: L.LightningModule) -> None:
+    """The PS keeps and sends weights and gradients as float32 (the wire format): parameters
+    of another dtype are trained at float32 precision, and come back rounded to it."""
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()} - {"float32"})
+    if dtypes:
+        warnings.warn(
+            f"ParameterServerTrainer: {type(model).__name__} has {', '.join(dtypes)} "
+            "parameters, but the parameter server keeps and sends weights and gradients as "
+            "float32: they are trained at float32 precision and come back in their own dtype, "
+            "holding float32 values. Convert the module with .float() to train what runs.",
+            stacklevel=4,
         )
 
 
@@ -227,6 +305,15 @@ class ParameterServerTrainer:
         metric: Callable[[L.LightningModule], float] | None = None,
         **overrides: Any,
     ) -> None:
+        fields = [f.name for f in dataclasses.fields(PSConfig)]
+        unknown = [name for name in overrides if name not in fields]
+        if unknown:
+            raise ConfigurationError(
+                f"ParameterServerTrainer got {', '.join(unknown)}, which it does not take: it is "
+                "not a Lightning Trainer (no callbacks, loggers, clipping or epochs in its "
+                f"workers). It takes config=, metric= and the fields of PSConfig: "
+                f"{', '.join(fields)}."
+            )
         self.config = dataclasses.replace(config or PSConfig(), **overrides)
         self.config.validate()
         self.metric = metric
@@ -240,7 +327,7 @@ class ParameterServerTrainer:
         (:func:`load_worker_buffers`); ``result.final_accuracy`` is then the metric of ``model``
         as returned, while the timeline before it scored the initial buffers.
         """
-        prepare_module(model)
+        prepare_module(model, self.config.lr)
         if datamodule is not None:
             datamodule.prepare_data()  # once, in this process, as Lightning does
         result = run_training(

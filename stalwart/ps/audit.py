@@ -115,7 +115,7 @@ def audit(
     result.server_cpu = resources.server_cpu
     result.peak_rss_mb = resources.peak_rss_mb
     result.store_retries = sum(r["retries"] for r in reports)
-    result.final_accuracy = timeline[-1]["accuracy"] if timeline else 0.0
+    result.final_accuracy = timeline[-1]["accuracy"] if timeline else None
     _, _, result.weights = head_state(store)
     if config.keep_gradients:
         result.weights_verified = torch.equal(replay(store, lineage), result.weights)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 from stalwart.errors import ConfigurationError
@@ -107,6 +108,11 @@ class PSConfig:
         """Raise :class:`ConfigurationError` with what to change if the run cannot work."""
         if self.mode not in MODES:
             raise ConfigurationError(f"mode {self.mode!r}: choose one of {', '.join(MODES)}.")
+        for name in ("lr", "duration", "store_patience"):
+            # NaN passes every comparison below unnoticed (lr=nan trained NaN weights) and an
+            # infinite duration or patience never ends.
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigurationError(f"{name}={getattr(self, name)}: must be a finite number.")
         if self.workers < 1:
             raise ConfigurationError(
                 f"workers={self.workers}: a parameter-server run needs at least one worker."
@@ -141,6 +147,7 @@ class PSConfig:
                 raise ConfigurationError(
                     f"{event}: give exactly one of at_gradient (a gradient count) or at_seconds."
                 )
+            self._validate_event(event)
             if event.at_gradient is not None and not 0 < event.at_gradient < self.total_gradients:
                 raise ConfigurationError(
                     f"kill at gradient {event.at_gradient} is beyond the run: {self.workers} "
@@ -172,16 +179,29 @@ class PSConfig:
                         "Schedule it earlier, shorten the downtimes, or lengthen the run."
                     )
                 earliest = fires + event.downtime
-            allowed = ("head", "secondary") if self.mode.startswith("chain") else ("ps",)
-            if not event.targets or any(t not in allowed for t in event.targets):
-                raise ConfigurationError(
-                    f"kill targets {event.targets} for mode {self.mode}: use {allowed}."
-                )
-            if "secondary" in event.targets and "head" not in event.targets:
-                raise ConfigurationError(
-                    "a secondary kill is only supported together with the head."
-                )
             previous = event.position
+
+    def _validate_event(self, event: KillEvent) -> None:
+        """The checks of one kill event that do not depend on the others."""
+        for name in ("downtime", "at_seconds"):
+            value = getattr(event, name)
+            if value is not None and not math.isfinite(value):
+                raise ConfigurationError(
+                    f"{event}: {name}={value} must be a finite number of seconds."
+                )
+        allowed = ("head", "secondary") if self.mode.startswith("chain") else ("ps",)
+        # A repeated target would restart (and add to the chain) one replica per name.
+        if (
+            not event.targets
+            or any(t not in allowed for t in event.targets)
+            or len(set(event.targets)) != len(event.targets)
+        ):
+            raise ConfigurationError(
+                f"kill targets {event.targets} for mode {self.mode}: use {allowed}, each at "
+                "most once."
+            )
+        if "secondary" in event.targets and "head" not in event.targets:
+            raise ConfigurationError("a secondary kill is only supported together with the head.")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

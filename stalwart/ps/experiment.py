@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import statistics
 import time
@@ -83,8 +84,7 @@ def kill_schedule(mode: str, kills: int, downtime: float, seconds: float) -> lis
 
 def run(args: argparse.Namespace) -> None:
     """Run the experiment and write the plot and the table."""
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    kill_counts = _check_options(args)
+    modes, kill_counts = _check_options(args)
     # Every mode trains for the same wall-clock time (the paper's x axis); a gradient budget
     # would favour the stateless workers, who never wait and spend theirs during the outage.
     seconds = args.seconds if args.seconds is not None else (8.0 if args.quick else 20.0)
@@ -92,6 +92,8 @@ def run(args: argparse.Namespace) -> None:
     hidden = 128 if args.quick else 512
     lr = args.lr if args.lr is not None else (QUICK_LR if args.quick else EXPERIMENT_LR)
     out = os.path.abspath(args.out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise RunDirectoryError(f"--out {out} is a file; choose a new directory.")
     if os.path.isdir(out) and os.listdir(out):
         raise RunDirectoryError(f"{out} is not empty; choose a new --out directory.")
     configs = []
@@ -109,22 +111,8 @@ def run(args: argparse.Namespace) -> None:
                 configs.append(config)
     if args.store is not None:
         _check_store(args.store)
-    results: list[PSRunResult] = []
-    failures: list[str] = []
     started = time.time()
-    for n, config in enumerate(configs, 1):
-        print(f"[{n}/{len(configs)}] {config.mode}, {len(config.kills)} kill(s), seed "
-              f"{config.seed}", flush=True)  # fmt: skip
-        try:
-            results.append(run_training(config, progress=lambda line: print(line, flush=True)))
-        except StoreUnavailableError as exc:
-            # The store is shared by every run: the ones left would wait for it in turn.
-            failures.append(f"{config.mode} with {len(config.kills)} kill(s): {exc}")
-            print(f"  FAILED: {exc}; the remaining runs are skipped", flush=True)
-            break
-        except StalwartError as exc:  # one failed run must not throw away the others
-            failures.append(f"{config.mode} with {len(config.kills)} kill(s): {exc}")
-            print(f"  FAILED: {exc}", flush=True)
+    results, failures = _run_all(configs)
     print(f"experiment: {len(results)} runs in {time.time() - started:.0f}s")
     table = format_table(results, args.target)
     ratios = time_to_target_ratios(results, args.target)
@@ -143,25 +131,70 @@ def run(args: argparse.Namespace) -> None:
         raise StalwartError(f"{len(failures)} run(s) failed:\n" + "\n".join(failures))
 
 
-def _check_options(args: argparse.Namespace) -> list[int]:
-    """The kill counts; a ConfigurationError naming the option for anything the runs cannot
-    honour (PSConfig.validate checks the rest, before the first run too)."""
+def _run_all(configs: list[PSConfig]) -> tuple[list[PSRunResult], list[str]]:
+    """Run ``configs`` in order; the results to compare and a line per run that failed."""
+    results: list[PSRunResult] = []
+    failures: list[str] = []
+    for n, config in enumerate(configs, 1):
+        print(f"[{n}/{len(configs)}] {config.mode}, {len(config.kills)} kill(s), seed "
+              f"{config.seed}", flush=True)  # fmt: skip
+        try:
+            result = run_training(config, progress=lambda line: print(line, flush=True))
+        except StoreUnavailableError as exc:
+            # The store is shared by every run: the ones left would wait for it in turn.
+            failures.append(f"{config.mode} with {len(config.kills)} kill(s): {exc}")
+            print(f"  FAILED: {exc}; the remaining runs are skipped", flush=True)
+            break
+        except StalwartError as exc:  # one failed run must not throw away the others
+            failures.append(f"{config.mode} with {len(config.kills)} kill(s): {exc}")
+            print(f"  FAILED: {exc}", flush=True)
+            continue
+        if result.unfired_kills:  # it would count among the runs with fewer kills
+            failures.append(
+                f"{config.mode} with {len(config.kills)} kill(s): "
+                f"{len(result.unfired_kills)} never fired"
+            )
+            print("  FAILED: not every kill fired; left out of the comparison", flush=True)
+            continue
+        results.append(result)
+    return results, failures
+
+
+def _check_options(args: argparse.Namespace) -> tuple[list[str], list[int]]:
+    """The modes and the kill counts; a ConfigurationError naming the option for anything the
+    runs cannot honour (PSConfig.validate checks the rest, before the first run too)."""
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     try:
         kill_counts = [int(k) for k in args.kills.split(",")]
     except ValueError:
         raise ConfigurationError(f"--kills {args.kills!r}: write counts like 0,1,2") from None
+    # A negative count would run without a kill under its own label; a repeated mode or count
+    # would run into the first one's directory halfway through the experiment.
+    if any(k < 0 for k in kill_counts):
+        raise ConfigurationError(f"--kills {args.kills!r}: kill counts are 0 or more.")
+    for option, values in (("--modes", modes), ("--kills", kill_counts)):
+        if not values or len(set(values)) != len(values):
+            raise ConfigurationError(
+                f"{option} {getattr(args, option[2:])!r}: list each value once, e.g. "
+                f"{','.join(map(str, dict.fromkeys(values))) or 'stateless'}."
+            )
     if args.repeats < 1:
         raise ConfigurationError(f"--repeats {args.repeats}: run each setting at least once.")
     if not 0 < args.target <= 1:
         raise ConfigurationError(
             f"--target {args.target}: a test accuracy between 0 and 1 (e.g. 0.9)."
         )
-    # An explicit 0 is the user's value, not "unset": rejected, never silently replaced.
+    # An explicit 0 is the user's value, not "unset": rejected, never silently replaced. NaN
+    # fails no comparison, so finiteness is checked first (--seconds nan never stopped a run).
+    for option in ("seconds", "downtime", "lr"):
+        value = getattr(args, option)
+        if value is not None and not math.isfinite(value):
+            raise ConfigurationError(f"--{option} {value}: must be a finite number.")
     if args.seconds is not None and args.seconds <= 0:
         raise ConfigurationError(f"--seconds {args.seconds}: each run trains for > 0 seconds.")
     if args.lr is not None and args.lr <= 0:
         raise ConfigurationError(f"--lr {args.lr}: the SGD learning rate must be positive.")
-    return kill_counts
+    return modes, kill_counts
 
 
 #: Seconds the store given by ``--store`` may take to answer before the experiment starts.
@@ -188,7 +221,7 @@ def time_to_target_ratios(results: list[PSRunResult], target: float) -> dict:
 
     A ratio is computed per seed (the runs of one seed share data, initial weights and kill
     times) and then the median is taken; a run that never reached the target counts as its
-    whole duration (so the ratio is a lower bound, marked ``>=``).
+    whole duration, which makes the ratio a bound (see :func:`_ratio`).
     """
     reach: dict[tuple[str, int], dict[int, tuple[float, bool]]] = {}
     for r in results:
@@ -199,32 +232,18 @@ def time_to_target_ratios(results: list[PSRunResult], target: float) -> dict:
             reached,
         )
 
-    def median(values: list[float]) -> float:
-        return round(statistics.median(values), 3)
-
     times = {
-        f"{mode} {kills}": {"median_s": median([t for t, _ in runs.values()]),
+        f"{mode} {kills}": {"median_s": _median([t for t, _ in runs.values()]),
                             "all_reached": all(ok for _, ok in runs.values())}
         for (mode, kills), runs in sorted(reach.items())
     }  # fmt: skip
     pairs = {}
     for kills in sorted({k for _, k in reach}):
         for slow, fast in PAIRS:
-            a, b = reach.get((slow, kills), {}), reach.get((fast, kills), {})
-            seeds = sorted(set(a) & set(b))
-            if not seeds:
-                continue
-            pairs[f"{slow} / {fast}, {kills} kill(s)"] = {
-                "median": median([a[s][0] / b[s][0] for s in seeds]),
-                "runs": [round(a[s][0] / b[s][0], 3) for s in seeds],
-                "lower_bound": any(not a[s][1] for s in seeds),
-            }
-    delays = {}
-    for (mode, kills), runs in sorted(reach.items()):
-        base = reach.get((mode, 0), {})
-        seeds = sorted(set(runs) & set(base))
-        if kills and seeds:
-            delays[f"{mode} {kills}"] = median([runs[s][0] - base[s][0] for s in seeds])
+            entry = _ratio(reach.get((slow, kills), {}), reach.get((fast, kills), {}))
+            if entry is not None:
+                pairs[f"{slow} / {fast}, {kills} kill(s)"] = entry
+    delays, delay_bounds = _kill_delays(reach)
     early = [
         f"{r.config.mode}, {len(r.kills)} kill(s), seed {r.config.seed}"
         for r in results
@@ -232,20 +251,89 @@ def time_to_target_ratios(results: list[PSRunResult], target: float) -> dict:
     ]
     return {
         "target": target, "time_to_target": times, "ratios": pairs, "delay_s": delays,
-        "reached_before_last_kill": early,
+        "delay_bounds": delay_bounds, "reached_before_last_kill": early,
     }  # fmt: skip
+
+
+def _ratio(slow: dict[int, tuple[float, bool]], fast: dict[int, tuple[float, bool]]) -> dict | None:
+    """The per-seed ratios of two modes' times to the target and their median, or None.
+
+    A run that never reached the target counts as its whole duration: a seed where only the
+    slower mode missed gives a lower bound of its ratio (``>=``), one where only the faster mode
+    missed an upper bound (``<=``). A seed where both missed says nothing (a ratio of two
+    durations) and is left out, as is a median over seeds whose bounds point both ways.
+    """
+    seeds = [s for s in sorted(set(slow) & set(fast)) if slow[s][1] or fast[s][1]]
+    marks = {">=" if not slow[s][1] else "<=" for s in seeds if not (slow[s][1] and fast[s][1])}
+    if not seeds or len(marks) > 1:
+        return None
+    bound = marks.pop() if marks else ""
+    return {
+        "median": _median([slow[s][0] / fast[s][0] for s in seeds]),
+        "runs": [round(slow[s][0] / fast[s][0], 3) for s in seeds],
+        "bound": bound,
+        "lower_bound": bound == ">=",
+    }
+
+
+def _score(accuracy: float | None) -> str:
+    return "-" if accuracy is None else f"{accuracy:.3f}"
+
+
+def _median(values: list[float]) -> float:
+    return round(statistics.median(values), 3)
+
+
+def _kill_delays(
+    reach: dict[tuple[str, int], dict[int, tuple[float, bool]]],
+) -> tuple[dict[str, float], dict[str, str]]:
+    """Each mode's delay to the target caused by its kills (time with k kills minus without,
+    median over seeds), and the marks of those that are bounds.
+
+    A run that never reached the target counts as its whole duration: a seed whose killed run
+    missed it gives a lower bound (``>=``), one whose failure-free run missed it an upper bound
+    (``<=``). A seed where both missed says nothing (the difference of two durations) and is
+    left out, as is a median over seeds whose bounds point both ways.
+    """
+    delays: dict[str, float] = {}
+    bounds: dict[str, str] = {}
+    for (mode, kills), runs in sorted(reach.items()):
+        base = reach.get((mode, 0), {})
+        seeds = [s for s in sorted(set(runs) & set(base)) if runs[s][1] or base[s][1]]
+        if not kills or not seeds:
+            continue
+        marks = {">=" if not runs[s][1] else "<=" for s in seeds if not (runs[s][1] and base[s][1])}
+        if len(marks) > 1:
+            continue
+        name = f"{mode} {kills}"
+        delays[name] = _median([runs[s][0] - base[s][0] for s in seeds])
+        if marks:
+            bounds[name] = marks.pop()
+    return delays, bounds
 
 
 def format_ratios(ratios: dict, target: float) -> str:
     """The side-by-side ratios as text (> 1: checkpointing needs more time to the target)."""
     lines = [f"time to {target:.0%} test accuracy, ratio slower / faster (median over seeds):"]
     for name, entry in ratios["ratios"].items():
-        bound = ">=" if entry["lower_bound"] else ""
+        bound = entry.get("bound", ">=" if entry["lower_bound"] else "")
         runs = ", ".join(f"{v:.2f}" for v in entry["runs"])
         lines.append(f"  {name:<45} {bound}{entry['median']:.2f}  (per seed: {runs})")
     if ratios["delay_s"]:
-        lines.append("delay to the target caused by the kills (s, vs the same mode without):")
-        lines += [f"  {name:<22} {delay:+.1f}" for name, delay in ratios["delay_s"].items()]
+        bounds = ratios.get("delay_bounds", {})
+        lines.append(
+            "delay to the target caused by the kills (s, vs the same mode without"
+            + (
+                "; >= or <=: a run that never reached it counts its whole duration"
+                if bounds
+                else ""
+            )
+            + "):"
+        )
+        lines += [
+            f"  {name:<22} {bounds[name] + ' ' if name in bounds else ''}{delay:+.1f}"
+            for name, delay in ratios["delay_s"].items()
+        ]
     if ratios["reached_before_last_kill"]:
         lines.append(
             "NOTE: these runs reached the target before their last kill (schedule the kills "
@@ -282,7 +370,7 @@ def format_table(results: list[PSRunResult], target: float) -> str:
             f"| {r.produced_during_downtime} | {r.updates} | {backlog} | {sum(r.worker_idle):.1f} "
             f"| {r.worker_cpu_utilisation:.0%} | {r.server_cpu:.1f} "
             f"| {server_rss:.0f} / {r.peak_rss_mb.get('worker', 0):.0f} "
-            f"| {'-' if reach is None else f'{reach:.1f}'} | {r.final_accuracy:.3f} |"
+            f"| {'-' if reach is None else f'{reach:.1f}'} | {_score(r.final_accuracy)} |"
         )
     return "\n".join(lines)
 

@@ -20,6 +20,9 @@ class PSRunResult:
     started_at: float = 0.0
     timeline: list[dict] = field(default_factory=list)
     kills: list[dict] = field(default_factory=list)
+    #: Scheduled kills the run ended before (``{"at_gradient", "at_seconds", "targets"}``
+    #: each): not in ``kills``, whose every entry fired.
+    unfired_kills: list[dict] = field(default_factory=list)
     recoveries: list[dict] = field(default_factory=list)
     produced: int = 0
     applied: int = 0
@@ -35,9 +38,9 @@ class PSRunResult:
     server_cpu: float = 0.0
     peak_rss_mb: dict[str, float] = field(default_factory=dict)
     store_retries: int = 0
-    #: The newest score of the committed weights; 0.0, and None in :meth:`summary`, when the
-    #: run scored nothing (an empty ``timeline``: no metric).
-    final_accuracy: float = 0.0
+    #: The newest score of the committed weights; None when the run scored nothing (an empty
+    #: ``timeline``: no metric), so no accuracy is read where none was measured.
+    final_accuracy: float | None = None
     #: The committed weights at the end of the run (flat, as the workload's model orders them).
     weights: torch.Tensor | None = None
     weights_verified: bool | None = None
@@ -64,11 +67,14 @@ class PSRunResult:
                 {"gradients": b["gradients"], "workers": b["workers"]} for b in self.backlogs
             ],
             "deferred_kills": sum(bool(k.get("deferred")) for k in self.kills),
+            "unfired_kills": len(self.unfired_kills),
             "worker_idle_s": round(sum(self.worker_idle), 2),
             "worker_cpu_util": round(self.worker_cpu_utilisation, 3),
             "server_cpu_s": round(self.server_cpu, 2),
             "peak_rss_mb": {k: round(v, 1) for k, v in self.peak_rss_mb.items()},
             # None when nothing was scored (no metric): 0.0 would read as a model that learned
             # nothing.
-            "final_accuracy": round(self.final_accuracy, 4) if self.timeline else None,
+            "final_accuracy": (
+                None if self.final_accuracy is None else round(self.final_accuracy, 4)
+            ),
         }  # fmt: skip

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import BinaryIO
 
@@ -27,7 +28,7 @@ from stalwart.errors import (
 )
 from stalwart.ps import layout
 from stalwart.ps.audit import audit, read_reports
-from stalwart.ps.config import PSConfig
+from stalwart.ps.config import KillEvent, PSConfig
 from stalwart.ps.failure import FailureInjector
 from stalwart.ps.processes import ChildProcess, ProcessSupervisor
 from stalwart.ps.resources import usage
@@ -74,7 +75,13 @@ class PSRun:
                 f"run directory {run_dir} is not empty; pick a new one (a run never overwrites "
                 "another's checkpoint)."
             )
-        os.makedirs(run_dir, exist_ok=True)
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+        except OSError as exc:  # a file where the directory (or one above it) should be
+            raise RunDirectoryError(
+                f"run directory {run_dir} cannot be created ({exc.strerror}); pick a path that "
+                "is a new or empty directory."
+            ) from None
         self.config = dataclasses.replace(config, run_dir=run_dir)
         self.run_dir = run_dir
         self.config_path = os.path.join(run_dir, "config.json")
@@ -195,7 +202,7 @@ class PSRun:
             self._monitor(injector)
         except StoreUnavailableError as exc:
             self._store_lost(exc)
-        self._check_workers(injector)
+        self._check_workers()
         self.store.set(layout.STOP, b"1")
         head_pid = self.servers.head_pid()
         self.supervisor.wait_for(
@@ -208,10 +215,12 @@ class PSRun:
         )
         self.timeline.sample(time.time() - self.t0, self.produced)
         result = audit(
-            self.store, self.config, started_at=self.t0, wall=wall, kills=injector.kills,
+            self.store, self.config, started_at=self.t0, wall=wall,
+            kills=[kill for kill in injector.kills if kill.killed_at is not None],
             timeline=self.timeline.points,
             resources=usage(self.procs.values(), [self.procs[p] for p in self.worker_pids]),
         )  # fmt: skip
+        report_unfired(injector.unfired(), result, self.produced, self.progress)
         if self.inspect is not None:
             self.inspect(self, result)  # the store is still up: audits can read it
         return result
@@ -222,6 +231,10 @@ class PSRun:
         last_eval = last_progress = 0.0
         while True:
             self.supervisor.reap()
+            if self._failed_workers():
+                # A sync round waits for a gradient from every worker: one that crashed would
+                # hold the others and the PS forever. _check_workers says which and why.
+                return
             now = time.time()
             self.produced = sum(int(v) for v in self.store.get_many(counts))
             injector.poll(self.produced, now)
@@ -255,19 +268,25 @@ class PSRun:
             f"gradients, accuracy {accuracy:.3f}, {now - self.t0:.0f}s"
         )
 
-    def _check_workers(self, injector: FailureInjector) -> None:
-        failed = [p for p in self.worker_pids if self.procs[p].exit_code != 0]
-        if failed:
-            if any(self.procs[p].exit_code == STORE_GAVE_UP for p in failed):
-                self._store_lost(None)
-            tail = self.supervisor.log_tail(failed[0])
-            raise StalwartError(f"worker process(es) failed:\n{tail}")
-        if injector.unfired():
-            raise ConfigurationError(
-                f"kill(s) {injector.unfired()} never fired: the run ended at {self.produced} "
-                f"gradients, {time.time() - self.t0:.1f}s (gradients a stateful PS discards still "
-                "count); schedule them earlier."
-            )
+    def _failed_workers(self) -> list[int]:
+        """The pids of the workers that exited with an error (so far)."""
+        return [p for p in self.worker_pids if self.procs[p].exit_code not in (None, 0)]
+
+    def _check_workers(self) -> None:
+        failed = self._failed_workers()
+        if not failed:
+            return
+        if any(self.procs[p].exit_code == STORE_GAVE_UP for p in failed):
+            self._store_lost(None)
+        # The others may still be training (or waiting for the dead one): stop them; the
+        # supervisor kills whatever is left on the way out.
+        self.store.set(layout.HALT, b"1")
+        names = ", ".join(
+            f"worker {self.worker_pids.index(p)} (exit code {self.procs[p].exit_code})"
+            for p in failed
+        )
+        tail = self.supervisor.log_tail(failed[0])
+        raise StalwartError(f"worker process(es) failed: {names}:\n{tail}")
 
     def _store_lost(self, cause: StoreUnavailableError | None) -> None:
         """The store vanished: let the workers finish retrying, keep the last committed weights."""
@@ -293,6 +312,30 @@ class PSRun:
             f"and reported {errors}. The last committed weights ({last_key}) are saved in "
             f"{saved}; restart the store and the run."
         )
+
+
+def report_unfired(
+    unfired: list[KillEvent], result: PSRunResult, produced: int, progress: Callable[[str], None]
+) -> None:
+    """List the kills the run ended before in ``result``, and warn: the run itself is complete.
+
+    A schedule that can never fire is refused up front (:meth:`PSConfig.validate`); whether a
+    timed kill in a run bounded by steps, or a gradient-count kill in one bounded by duration,
+    fires depends on the machine's speed, so the trained weights are kept.
+    """
+    if not unfired:
+        return
+    result.unfired_kills = [
+        {"at_gradient": e.at_gradient, "at_seconds": e.at_seconds, "targets": list(e.targets)}
+        for e in unfired
+    ]
+    message = (
+        f"kill(s) {unfired} never fired: the run ended at {produced} gradients, "
+        f"{result.wall:.1f}s (gradients a stateful PS discards still count). The result covers "
+        "the run without them (result.unfired_kills); schedule them earlier to measure them."
+    )
+    progress(f"  WARNING: {message}")
+    warnings.warn(message, stacklevel=5)  # the caller of run_training
 
 
 def run_training(

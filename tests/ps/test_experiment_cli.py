@@ -101,3 +101,17 @@ def test_an_unreachable_store_fails_once_before_any_run(tmp_path, capsys):
     captured = capsys.readouterr()
     assert f"--store 127.0.0.1:{port}: no store answered there" in captured.err
     assert "[1/" not in captured.out
+
+
+def test_a_ratio_is_a_bound_only_the_way_its_missed_runs_point():
+    # Only the faster mode missed: its whole duration is an upper bound of its time, so the
+    # ratio is an upper bound. Both missed: a ratio of two durations, left out (it read ">=1.17").
+    results = [
+        _result("checkpoint-async", 1, 12.0, wall=20.0), _result("stateless", 1, None, wall=18.0),
+        _result("checkpoint-async", 2, None, wall=21.0), _result("stateless", 2, None, wall=18.0),
+    ]  # fmt: skip
+    ratios = time_to_target_ratios(results, 0.9)
+    upper = ratios["ratios"]["checkpoint-async / stateless, 1 kill(s)"]
+    assert upper["bound"] == "<=" and not upper["lower_bound"] and upper["runs"] == [0.667]
+    assert "checkpoint-async / stateless, 2 kill(s)" not in ratios["ratios"]
+    assert "<=0.67" in format_ratios(ratios, 0.9)

@@ -173,6 +173,7 @@ def test_configure_model_and_sparse_gradients_train_without_a_metric(tmp_path):
     # Both rows of the sparse embedding were reached, so the PS applied their gradients.
     assert not torch.isclose(model.label.weight, initial.label.weight).all(dim=1).any()
     assert result.summary()["final_accuracy"] is None  # no metric: nothing was scored
+    assert result.final_accuracy is None  # not 0.0, which reads as a measured accuracy
 
 
 class _Manual(_MLP):

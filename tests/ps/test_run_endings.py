@@ -1,0 +1,79 @@
+"""How a run ends when it cannot go as scheduled: a worker that crashes stops the run at once in
+every mode (a synchronous round used to wait for its gradient forever), and a timed kill that a
+steps-bound run ends before keeps the trained result instead of throwing it away."""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import psutil
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from stalwart import ParameterServerTrainer
+from stalwart.errors import StalwartError
+from stalwart.flat import flatten
+from stalwart.ps import KillEvent
+
+X = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+Y = (X[:, 0] > 0).long()
+
+
+class Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.layer(x), y)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(X, Y), batch_size=8, shuffle=True)
+
+
+class CrashesInWorkerOne(Tiny):
+    def training_step(self, batch, batch_idx):
+        # Each worker seeds torch with seed * 1000 + its index (seed 0 here): worker 1 sees 1.
+        if torch.initial_seed() == 1 and batch_idx == 3:
+            raise RuntimeError("bug in worker 1")
+        return super().training_step(batch, batch_idx)
+
+
+def _ps_children() -> list[psutil.Process]:
+    children = psutil.Process().children(recursive=True)
+    return [p for p in children if "stalwart.ps.launch" in " ".join(p.cmdline())]
+
+
+@pytest.mark.timeout(120)  # without the fix a sync run never returns
+@pytest.mark.parametrize("mode", ["checkpoint-sync", "chain-sync"])
+def test_a_crashed_worker_stops_a_sync_run_with_its_error(tmp_path, mode):
+    trainer = ParameterServerTrainer(
+        mode=mode, workers=2, steps=30, lr=0.1, run_dir=str(tmp_path / "run")
+    )
+    started = time.monotonic()
+    with pytest.raises(StalwartError, match=r"(?s)worker 1 \(exit code 1\).*bug in worker 1"):
+        trainer.fit(CrashesInWorkerOne())
+    assert time.monotonic() - started < 90
+    assert _ps_children() == []  # the PS, the other worker, the spares and the store are gone
+
+
+def test_a_timed_kill_a_steps_bound_run_ends_before_keeps_the_result(tmp_path):
+    model = Tiny()
+    initial = flatten(model.parameters())
+    trainer = ParameterServerTrainer(
+        mode="stateless", workers=1, steps=10, lr=0.1, run_dir=str(tmp_path / "run"),
+        kills=[KillEvent(at_seconds=600.0, downtime=0.5)],
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=r"never fired.*result.unfired_kills"):
+        result = trainer.fit(model)
+    assert result.produced == result.applied == 10
+    assert result.kills == []
+    assert result.unfired_kills == [{"at_gradient": None, "at_seconds": 600.0, "targets": ["ps"]}]
+    assert result.summary()["unfired_kills"] == 1
+    # The trained weights are in the module, not thrown away with the run.
+    assert torch.equal(flatten(model.parameters()), result.weights)
+    assert not torch.equal(initial, result.weights)
+    assert _ps_children() == []
