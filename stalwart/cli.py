@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Iterator
@@ -96,14 +97,19 @@ def parse_epochs(text: str | None) -> list[int] | None:
     if text is None:
         return None
     try:
-        if ":" in text:
-            first, last = (int(part) for part in text.split(":"))
-            return list(range(first, last + 1))
-        return [int(part) for part in text.split(",")]
+        if ":" not in text:
+            return [int(part) for part in text.split(",")]
+        first, last = (int(part) for part in text.split(":"))
     except ValueError:
         raise ConfigurationError(
             f"--epochs {text!r}: write a range 3:7 (inclusive) or a list 2,5,9."
         ) from None
+    if last < first:
+        raise ConfigurationError(
+            f"--epochs {text!r}: the range ends before it starts; write it first:last, "
+            f"e.g. {last}:{first}."
+        )
+    return list(range(first, last + 1))
 
 
 def load_object(spec: str) -> Any:
@@ -117,9 +123,34 @@ def load_object(spec: str) -> Any:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ConfigurationError(f"--probe {spec!r} cannot be imported: {exc}") from None
+    except Exception as exc:  # the module itself failed: a SyntaxError, or its code raised
+        said = (
+            f"{exc.msg} ({exc.filename}, line {exc.lineno})"
+            if isinstance(exc, SyntaxError)
+            else exc
+        )
+        raise ConfigurationError(
+            f"--probe {spec!r}: importing {module_name} failed with {type(exc).__name__}: "
+            f"{said}. Fix the module and run again."
+        ) from None
     if isinstance(obj, type) and issubclass(obj, Callback):
+        _check_takes_no_arguments(spec, obj)
         return obj()
     return obj
+
+
+def _check_takes_no_arguments(spec: str, probe_class: type) -> None:
+    """Refuse a probe class whose constructor needs arguments: the command builds it with none.
+    (Checked on its signature, so that a TypeError its constructor raises stays its own.)"""
+    try:
+        inspect.signature(probe_class).bind()
+    except ValueError:
+        return  # no signature to read (a builtin): let the call say
+    except TypeError as exc:
+        raise ConfigurationError(
+            f"--probe {spec!r}: the probe class's constructor must take no arguments ({exc}); "
+            "give its parameters defaults, or point --probe at a function and name its --hook."
+        ) from None
 
 
 @contextlib.contextmanager

@@ -15,6 +15,11 @@ class RunDirectoryError(StalwartError, OSError):
     """A run directory cannot be used: not writable, or it holds something that is not ours."""
 
 
+class CorruptStoreError(RunDirectoryError):
+    """A run directory's ``hindsight.db`` is damaged (truncated, emptied, overwritten): the
+    record in it cannot be read. The checkpoint files beside it are separate files."""
+
+
 class CorruptCheckpointError(StalwartError):
     """A checkpoint file is torn, truncated or does not match the checksum recorded for it."""
 

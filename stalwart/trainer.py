@@ -12,8 +12,10 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.callbacks import Callback, Checkpoint
+from lightning.pytorch.callbacks import Callback, Checkpoint, Timer
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.compile import to_uncompiled
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -21,16 +23,21 @@ from torch._dynamo import OptimizedModule
 from torch.utils.data import DataLoader
 
 from stalwart.callbacks.hindsight import HindsightCallback
-from stalwart.callbacks.lightning_internals import detached_copy
+from stalwart.callbacks.lightning_internals import (
+    detached_copy,
+    fit_ends_after_this_epoch,
+    hook_epoch_boundary,
+    unhook_epoch_boundary,
+)
 from stalwart.callbacks.replay import BATCH_LEVEL_HOOKS, FunctionProbe, ReplayDriver, probe_level
 from stalwart.callbacks.replay_loggers import lightning_points, write_to_loggers
-from stalwart.errors import ConfigurationError
+from stalwart.errors import ConfigurationError, ReplayError
 from stalwart.hindsight import replay as core
 from stalwart.hindsight.estimate import ReplayEstimate
 from stalwart.hindsight.persistent_workers import persistent_workers_cause
 from stalwart.hindsight.plan import Segment
 from stalwart.hindsight.replay import Mismatch, ReplayResult
-from stalwart.hindsight.store import RESUMED_FILE_KEY
+from stalwart.hindsight.store import RESUMED_FILE_KEY, CheckpointEntry
 
 #: Whether ``replay`` logs its plan (dry run) or summary; the CLI prints them itself.
 _ANNOUNCE: ContextVar[bool] = ContextVar("stalwart_replay_announce", default=True)
@@ -51,8 +58,17 @@ class Trainer(L.Trainer):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Taken before Lightning sees the callbacks: it appends its defaults (ModelCheckpoint,
+        # progress bar, ModelSummary, Timer) to the very list it is given, and a fit leaves its
+        # state in every instance (SWA's averaged model, a progress bar's reference to this
+        # Trainer), so copies of the callbacks as given are what each replay segment starts from.
+        replay_kwargs = {**kwargs, "callbacks": _replay_callbacks(kwargs.get("callbacks"))}
         super().__init__(*args, **kwargs)
-        self._init_args = (args, dict(kwargs))
+        # A replay's fit talks to loggers where this one does (LearningRateMonitor refuses to
+        # run without one), into one that keeps nothing: the replayed values reach the store,
+        # and from it the loggers ``replay(loggers=...)`` names.
+        replay_kwargs["logger"] = [DummyLogger()] if self.loggers else False
+        self._init_args = (args, replay_kwargs)
 
     def replay(
         self,
@@ -61,7 +77,7 @@ class Trainer(L.Trainer):
         *,
         probe: Callback | Iterable[Callback] | None = None,
         run: int | str | None = None,
-        epochs: Iterable[int] | None = None,
+        epochs: int | Iterable[int] | None = None,
         workers: int = 1,
         init: str = "weak",
         dirpath: str | os.PathLike | None = None,
@@ -81,7 +97,8 @@ class Trainer(L.Trainer):
             probe: a Callback (or several, or a :class:`FunctionProbe`) logging new values with
                 ``pl_module.log``.
             run: run id or name in the record; default: the latest.
-            epochs: which recorded epochs to replay; default: all.
+            epochs: which recorded epochs to replay (one epoch number, or several); default:
+                all.
             workers: parallel worker processes, each replaying a contiguous segment.
             init: ``"weak"`` (resume from the nearest checkpoint) or ``"strong"`` (pseudoresume
                 from the start, rebuilding state the checkpoints did not capture).
@@ -138,7 +155,7 @@ def _replay(
     *,
     probe: Any = None,
     run: int | str | None = None,
-    epochs: Iterable[int] | None = None,
+    epochs: int | Iterable[int] | None = None,
     workers: int = 1,
     init: str = "weak",
     dry_run: bool = False,
@@ -150,7 +167,10 @@ def _replay(
     setup = core.prepare(dirpath, run, epochs, workers, dry_run=dry_run)
     targets = [] if instances is not None else core.logger_targets(setup.run, loggers)
     recorded_run, entries = setup.run, setup.entries
-    initial = entries[min(entries)].load()["state_dict"]
+    _refuse_composer_record(recorded_run)
+    # The record's own file (or the one its fit resumed from), checked against its size and
+    # CRC-32; loaded in full, as every segment's start is (see _replay_segment).
+    initial = entries[min(entries)].load(weights_only=False)["state_dict"]
     # A torch.compile'd module is checked as the LightningModule inside it: Lightning trains
     # that one (it unwraps the compiled wrapper itself), so its state and hooks are the record's.
     module = uncompiled(model)
@@ -159,10 +179,19 @@ def _replay(
     level = probe_level(probes, core.edited_hooks(module, recorded_run))
     segments = core.plan(setup, level, workers, init)
 
+    # Read here: a worker process must not use the store.
+    last_batches = _last_epoch_batches(setup)
+    taken = {entry.epoch for entry in recorded_run.checkpoints(include_initial=True)}
+
     def replay_segment(index: int, segment: Segment, replay_id: str) -> None:
+        driver = ReplayDriver(
+            segment, entries, str(setup.store.root), recorded_run.run_id, replay_id, index
+        )
         _replay_segment(
-            model, datamodule, probes, index, segment, trainer_args, str(setup.store.root),
-            recorded_run.run_id, replay_id, entries,
+            model, datamodule, probes, driver, entries[segment.resume_from], trainer_args,
+            last_batches=last_batches if segment.last_epoch == max(setup.recorded) else None,
+            load_in_training_dtype=segment.resume_from in taken,
+            max_epochs=recorded_run.config.get("max_epochs"),
         )  # fmt: skip
 
     outcome = core.run_segments(
@@ -174,6 +203,17 @@ def _replay(
     if _ANNOUNCE.get():
         rank_zero_info(str(outcome) if dry_run else outcome.summary())
     return outcome
+
+
+def _refuse_composer_record(run: Any) -> None:
+    """A Composer record is replayed by Composer: its checkpoints are Composer's state, which
+    no Lightning fit can load (the reverse is refused on Composer's side too)."""
+    if run.config.get("framework") == "composer":
+        raise ReplayError(
+            f"{run.name} in {run.store.root} was recorded by Composer's Hindsight algorithm, not "
+            "by Lightning's HindsightCallback; replay it with "
+            "stalwart.algorithms.replay(make_trainer, ...) (Composer)."
+        )
 
 
 @contextlib.contextmanager
@@ -336,30 +376,176 @@ def _logger_instances(loggers: Any) -> list[Logger] | None:
     return instances
 
 
+class _UncopyableCallback:
+    """Stands in for a callback that could not be copied when the Trainer was built."""
+
+    def __init__(self, callback: Callback, error: Exception) -> None:
+        self.callback = callback
+        self.error = error
+
+
+def _replay_callbacks(callbacks: Any) -> list[Any]:
+    """Copies, as given, of the callbacks a replay segment runs again.
+
+    Left out: the record and checkpointing (a replay records nothing of its own). A callback
+    that cannot be copied is named when a replay needs it, not here (a Trainer that never
+    replays must still build).
+    """
+    if callbacks is None:
+        return []
+    given = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
+    kept: list[Any] = []
+    for callback in given:
+        if isinstance(callback, (HindsightCallback, Checkpoint)):
+            continue
+        try:
+            kept.append(copy.deepcopy(callback))
+        except Exception as error:  # whatever stops a copy is reported at replay
+            kept.append(_UncopyableCallback(callback, error))
+    return kept
+
+
+def _fresh_callbacks(kept: list[Any]) -> list[Callback]:
+    """A segment's own copies of the Trainer's callbacks as given (never ones a fit used)."""
+    for callback in kept:
+        if isinstance(callback, _UncopyableCallback):
+            raise ConfigurationError(
+                f"replay runs a fresh copy of each of the Trainer's callbacks, and "
+                f"{type(callback.callback).__name__} cannot be copied "
+                f"({type(callback.error).__name__}: {callback.error}). Make it copyable "
+                "(copy.deepcopy), or replay from a Trainer built without it."
+            )
+    return copy.deepcopy(kept)
+
+
 def _replay_segment(
-    model, datamodule, probes, index, segment, trainer_args, store_dir, run_id, replay_id, entries
+    model: Any,
+    datamodule: LightningDataModule | None,
+    probes: list[Callback],
+    driver: ReplayDriver,
+    start: CheckpointEntry,
+    trainer_args: tuple[tuple, dict],
+    last_batches: int | None,
+    load_in_training_dtype: bool,
+    max_epochs: int | None = None,
 ) -> None:
-    args, kwargs = trainer_args
-    kept = [
-        copy.deepcopy(c)
-        for c in kwargs.get("callbacks") or []
-        if not isinstance(c, (HindsightCallback, Checkpoint))
-    ]
-    driver = ReplayDriver(segment, entries, store_dir, run_id, replay_id, index)
-    kwargs = {
-        **kwargs,
-        "callbacks": [*kept, *copy.deepcopy(probes), driver],
-        "max_epochs": segment.last_epoch + 1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "num_sanity_val_steps": 0,
-    }
+    """Run one segment: a fit of a copy of ``model`` from ``start`` with the probes and driver.
+
+    ``last_batches``: the training batches the record's last epoch ran, for the segment that
+    ends with it (else None); ``load_in_training_dtype``: put the module in the precision's dtype
+    before the start is loaded (the record's own checkpoints; see :func:`_in_training_dtype`);
+    ``max_epochs``: the recorded fit's ``trainer.max_epochs`` (None: not recorded).
+    """
+    args, recorded = trainer_args
+    callbacks = _fresh_callbacks(recorded.get("callbacks") or [])
+    # No wall-clock limit: a replay (slower, with probes) would reach it elsewhere than the
+    # recorded fit did. The segment ending where the fit stopped requests the stop after the
+    # batch the record's last epoch ended with instead, as the Timer did there.
+    timed = recorded.get("max_time") is not None or any(isinstance(c, Timer) for c in callbacks)
+    callbacks = [c for c in callbacks if not isinstance(c, Timer)]
+    if timed and last_batches:
+        callbacks.append(_StopAfterBatch(driver.segment.last_epoch, last_batches))
+    # The recorded run's length (max_epochs; max_steps is passed on as given), so that code
+    # reading it (trainer.max_epochs, estimated_stepping_batches) sees what the record saw; the
+    # segment stops at its own last epoch's end instead.
+    last_epoch = driver.segment.last_epoch
+    callbacks.append(_StopAtSegmentEnd(last_epoch))
+    kwargs = {key: value for key, value in recorded.items() if key != "max_time"}
+    kwargs.update(
+        callbacks=[*callbacks, *copy.deepcopy(probes), driver],
+        max_epochs=max_epochs if max_epochs is not None else last_epoch + 1,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+    )
     trainer = L.Trainer(*args, **kwargs)
-    start = entries[segment.resume_from]
+    module = training_copy(model)
+    if load_in_training_dtype:
+        module = _in_training_dtype(trainer, module)
     with warnings.catch_warnings():
         # The record's checkpoints carry HindsightCallback state this trainer does not need.
         warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint.*")
-        trainer.fit(training_copy(model), detached_copy(datamodule), ckpt_path=start.path)
+        # weights_only=False: the start is the record's own checkpoint, or the file the recorded
+        # fit resumed from (which that fit loaded itself), and plan() has checked it against the
+        # size and CRC-32 the record holds for it, so it is the file the record names. Callbacks'
+        # state may hold objects a weights-only load refuses (StochasticWeightAveraging's
+        # scheduler keeps a function).
+        trainer.fit(module, detached_copy(datamodule), ckpt_path=start.path, weights_only=False)
+
+
+class _StopAtSegmentEnd(Callback):
+    """Stops a replay segment's fit once its last epoch has ended, in a Trainer that has the
+    record's run length (``max_epochs``).
+
+    Requested at the fit loop's epoch boundary, after everything the epoch runs (validation,
+    every ``on_train_epoch_end``, the epoch-interval LR step), so no hook of the epoch sees a
+    stop the record did not have. ``min_epochs``/``min_steps`` would veto the stop there; they
+    are lifted then, since nothing of the segment's fit is left to hold back.
+    """
+
+    def __init__(self, last_epoch: int) -> None:
+        self.last_epoch = last_epoch
+
+    def setup(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
+        hook_epoch_boundary(trainer, on_end=lambda: self._epoch_ended(trainer), on_error=_nothing)
+
+    def _epoch_ended(self, trainer: L.Trainer) -> None:
+        loop = trainer.fit_loop
+        if trainer.current_epoch <= self.last_epoch or fit_ends_after_this_epoch(trainer):
+            return
+        trainer.should_stop = True
+        if not loop._can_stop_early:
+            loop.min_epochs = None
+            loop.epoch_loop.min_steps = None
+
+    def teardown(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
+        unhook_epoch_boundary(trainer)
+
+
+def _nothing() -> None:
+    pass
+
+
+class _StopAfterBatch(Callback):
+    """A time limit's stop (``Trainer(max_time=...)``, a ``Timer``) where the recorded fit's
+    came: after the ``batches``-th training batch of ``epoch``, by ``trainer.should_stop`` as
+    the Timer requests it at a batch's end (a fit stopped that way still validates first).
+    Counted in batches, not optimizer steps: with gradient accumulation a Timer can stop
+    between two steps."""
+
+    def __init__(self, epoch: int, batches: int) -> None:
+        self.epoch = epoch
+        self.batches = batches
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.current_epoch == self.epoch and batch_idx + 1 >= self.batches:
+            trainer.should_stop = True
+
+
+def _last_epoch_batches(setup: core.ReplaySetup) -> int | None:
+    """The training batches the record's last epoch ran (None: not recorded)."""
+    if not setup.recorded:
+        return None
+    ran = setup.run.epoch_work().set_index("epoch").batches
+    last = setup.recorded[-1]
+    return int(ran[last]) if last in ran.index else None
+
+
+def _in_training_dtype(trainer: L.Trainer, module: Any) -> Any:
+    """``module`` converted as ``trainer``'s precision converts it (``"64-true"``,
+    ``"bf16-true"``, ``"16-true"``), before a checkpoint is loaded into it.
+
+    Lightning loads ``ckpt_path`` into the module before its precision converts it, so float64
+    weights of a ``"64-true"`` fit are rounded to float32 on the way in (a plain resume of such
+    a fit is too). The recorded fit's state never was: a segment starting from one of the
+    record's checkpoints must load it whole. A fit the record itself resumed did load its file
+    rounded, so a segment starting there does not convert (see ``_replay``).
+    """
+    precision = trainer.precision_plugin
+    if isinstance(precision, (DoublePrecision, HalfPrecision)):
+        return precision.convert_module(module)
+    return module
 
 
 __all__ = ["FunctionProbe", "Mismatch", "ReplayEstimate", "ReplayResult", "Trainer"]

@@ -151,3 +151,54 @@ def test_plot_to_a_missing_folder_is_a_clear_error_before_plotting(tmp_path, cap
     err = capsys.readouterr().err
     assert err.startswith("stalwart: error: ") and str(out.parent) in err
     assert not out.parent.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty"])
+def test_runs_on_a_damaged_database_is_one_clear_error(tmp_path, capsys, damage):
+    from stalwart.cli import main
+
+    fit_digits([HindsightCallback(dirpath=tmp_path / "runs")], epochs=1)
+    db = tmp_path / "runs" / "hindsight.db"
+    for side in ("-wal", "-shm"):
+        Path(f"{db}{side}").unlink(missing_ok=True)
+    data = db.read_bytes()
+    db.write_bytes(data[: len(data) // 3] if damage == "truncated" else b"")
+    assert main(["runs", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"stalwart: error: {db} is damaged") and "Traceback" not in err
+    assert db.stat().st_size == (len(data) // 3 if damage == "truncated" else 0)
+
+
+@pytest.mark.parametrize(
+    ("source", "said"),
+    [
+        ("class P(Callback)\n    pass\n", "importing {module} failed with SyntaxError"),
+        ("raise RuntimeError('not here')\n", "importing {module} failed with RuntimeError"),
+        (
+            "class P(Callback):\n    def __init__(self, k):\n        self.k = k\n",
+            "the probe class's constructor must take no arguments",
+        ),
+    ],
+    ids=["syntax_error", "raises_on_import", "constructor_needs_arguments"],
+)
+def test_replay_cli_says_why_a_probe_cannot_be_loaded(tmp_path, monkeypatch, capsys, source, said):
+    from stalwart.cli import main
+
+    module = f"broken_probe_{tmp_path.name}"  # a fresh name: no module cached from another case
+    (tmp_path / f"{module}.py").write_text(
+        "from lightning.pytorch.callbacks import Callback\n" + source
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["replay", "--config", str(CONFIGS[0]), "--probe", f"{module}:P"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"stalwart: error: --probe '{module}:P'") and "Traceback" not in err
+    assert said.format(module=module) in err
+
+
+def test_a_reversed_epoch_range_says_so():
+    from stalwart.cli import parse_epochs
+    from stalwart.errors import ConfigurationError
+
+    assert parse_epochs("2:4") == [2, 3, 4]
+    with pytest.raises(ConfigurationError, match="ends before it starts; .*e.g. 3:5"):
+        parse_epochs("5:3")

@@ -26,13 +26,14 @@ from typing import Any
 
 import composer
 import torch
-from composer.core import Algorithm, Callback, Engine, Event, State
+from composer.callbacks import CheckpointSaver
+from composer.core import Algorithm, Callback, Engine, Event, State, Time
 from composer.loggers import Logger, LoggerDestination
 from composer.trainer import Trainer
 from composer.utils import reproducibility
 from torch.utils.data import DataLoader
 
-from stalwart.errors import ConfigurationError, ReplayError
+from stalwart.errors import ConfigurationError, ReplayError, StalwartError
 from stalwart.hindsight import replay as core
 from stalwart.hindsight.checkpoint_file import verify_checkpoint
 from stalwart.hindsight.estimate import ReplayEstimate
@@ -292,9 +293,10 @@ class Hindsight(Algorithm):
 
     At each epoch checkpoint event the algorithm measures the epoch's compute time and asks Flor's
     Joint Invariant whether a checkpoint keeps the record overhead under ``epsilon``; the state
-    (Composer's full checkpoint: model, optimizers, schedulers, timestamp, RNG) is written by a
-    forked child. Every ``logger.log_metrics`` value goes to ``dirpath/hindsight.db``. Later,
-    :func:`replay` runs new probes (Composer callbacks) over the recorded epochs.
+    (Composer's full checkpoint: model, optimizers, schedulers, timestamp, RNG) is written in the
+    background (on CPU a copy handed to a writer thread). Every ``logger.log_metrics`` value
+    goes to ``dirpath/hindsight.db``. Later, :func:`replay` runs new probes (Composer callbacks)
+    over the recorded epochs.
 
     Args:
         dirpath: the run directory (created if missing). Each ``fit`` adds a run to it.
@@ -305,6 +307,7 @@ class Hindsight(Algorithm):
     Example::
 
         from composer import Trainer
+        import stalwart
         from stalwart.algorithms import Hindsight
 
         trainer = Trainer(model=model, train_dataloader=train, max_duration="10ep",
@@ -443,6 +446,8 @@ class Hindsight(Algorithm):
             config={
                 "framework": "composer",
                 "max_duration": str(state.max_duration),
+                # Composer's name for the run: replay(run=...) accepts it too.
+                "run_name": state.run_name,
                 "module_class": f"{type(model).__module__}.{type(model).__qualname__}",
                 "composer": composer.__version__,
                 "torch": torch.__version__,
@@ -479,16 +484,24 @@ class _ReplayDriver(Algorithm):
     """Runs inside one replay segment's Trainer: tags and stores what the probes log."""
 
     def __init__(
-        self, segment: Segment, store_dir: str, run_id: int, replay_id: str, index: int
+        self,
+        segment: Segment,
+        store_dir: str,
+        run_id: int,
+        replay_id: str,
+        index: int,
+        ends_fit: bool = False,
     ) -> None:
         self.segment = segment
         self.index = index
         self.replay_id = replay_id
         self.run_id = run_id
         self.store = HindsightStore(store_dir, create=True)
-        self.destination = StoreDestination(
-            "replay", replay_id, keep=segment.requested.__contains__
-        )
+        # What the segment that runs the record's last epoch logs after that epoch's checkpoint
+        # event (a probe's fit_end, Composer's final counters) is the end of the recorded fit,
+        # which the record tagged as the epoch after its last one, as the destination does here.
+        kept = segment.requested | ({segment.last_epoch + 1} if ends_fit else set())
+        self.destination = StoreDestination("replay", replay_id, keep=kept.__contains__)
         self.destination.open(self.store, run_id)
         self.batch_epochs: list[int] = []
         self._started = time.perf_counter()
@@ -557,6 +570,11 @@ def _reference(
         # A replay writes no checkpoint, and resumes from the record's file, not from the newest
         # in a save folder: autoresume (which needs a save folder) is off too.
         reference = trainer_factory(save_folder=None, autoresume=False, loggers=[])
+    if _drop_checkpoint_savers(reference.state):
+        log.info(
+            "replay: the factory's CheckpointSaver callbacks are not run in the replay's "
+            "Trainers (a replay writes no checkpoint; the run's own files stay as they are)."
+        )
     model = reference.state.model
     model_class = f"{type(model).__module__}.{type(model).__qualname__}"
     if dirpath is None:
@@ -578,7 +596,7 @@ def replay(
     *,
     probe: Callback | Iterable[Callback] | None = None,
     run: int | str | None = None,
-    epochs: Iterable[int] | None = None,
+    epochs: int | Iterable[int] | None = None,
     workers: int = 1,
     init: str = "weak",
     dirpath: str | os.PathLike | None = None,
@@ -591,18 +609,22 @@ def replay(
     with a factory for the run's Trainer in place of the module and data.
 
     Composer cannot skip an epoch, so each segment of the plan resumes from a checkpoint
-    (``load_path``), re-executes every epoch after it and stops after its last epoch
-    (``max_duration``); segments run in parallel worker processes. Values the probes log go to
+    (``load_path``), re-executes every epoch after it and stops after its last epoch (its
+    Trainer keeps the record's ``max_duration``, which schedules over the run read, and is
+    stopped there); segments run in parallel worker processes. The factory's
+    ``CheckpointSaver`` callbacks are not run. Values the probes log go to
     the store as ``source="replay"``, and every value the record logged is compared with the
     replayed one (the deferred check).
 
     Args:
         trainer_factory: builds the run's ``composer.Trainer``, as for recording, applying the
             keyword arguments it is called with last (``load_path``, ``max_duration``,
-            ``save_folder``), e.g. ``lambda **kw: Trainer(**{**run_args, **kw})``.
+            ``save_folder``, ``autoresume`` and ``loggers``), e.g.
+            ``lambda **kw: Trainer(**{**run_args, **kw})``.
         probe: a Composer ``Callback`` (or several) logging with ``logger.log_metrics``.
-        run: run id or name in the record; default: the latest.
-        epochs: which recorded epochs to replay; default: all.
+        run: run id or name in the record (``"run_0003"``, or the Composer ``run_name`` it
+            was recorded under: the latest run of that name); default: the latest.
+        epochs: which recorded epochs to replay (one epoch number, or several); default: all.
         workers: parallel worker processes, each replaying a contiguous segment.
         init: ``"weak"`` (each segment resumes from the checkpoint nearest before it) or
             ``"strong"`` (every segment starts from the earliest checkpoint and re-executes its
@@ -630,7 +652,7 @@ def replay(
     """
     probes = _probes(probe)
     model_state, model_class, dirpath, explain = _reference(trainer_factory, dirpath)
-    setup = core.prepare(dirpath, run, epochs, workers, dry_run=dry_run)
+    setup = core.prepare(dirpath, _run_named(dirpath, run), epochs, workers, dry_run=dry_run)
     targets = core.logger_targets(setup.run, loggers)
     entries = setup.entries
     recorded_run = setup.run
@@ -648,29 +670,9 @@ def replay(
         dataclasses.replace(segment, memoized=frozenset())
         for segment in core.plan(setup, INNER, workers, init)
     ]
-    durations = _durations(setup, segments)  # read here: a worker must not use the store
-
-    def replay_segment(index: int, segment: Segment, replay_id: str) -> None:
-        driver = _ReplayDriver(
-            segment, str(setup.store.root), recorded_run.run_id, replay_id, index
-        )
-        with _replaying():
-            trainer = trainer_factory(
-                load_path=str(entries[segment.resume_from].path),
-                max_duration=durations[index],
-                save_folder=None,
-                autoresume=False,
-                loggers=[],  # the replayed values reach the user's loggers once, afterwards
-            )
-        trainer.state.algorithms.append(driver)
-        trainer.state.callbacks.extend(probes)
-        _attach(trainer.state, trainer.logger, driver.destination)
-        try:
-            trainer.fit()
-        finally:
-            driver.finish()
-            trainer.close()
-
+    # Read here: a worker must not use the store.
+    length = _SegmentLength.of(setup, _segment_ends(setup, segments))
+    replay_segment = functools.partial(_replay_segment, trainer_factory, probes, setup, length)
     outcome = core.run_segments(
         setup, INNER, segments, replay_segment, dry_run=dry_run, targets=targets, explain=explain
     )
@@ -678,19 +680,159 @@ def replay(
     return outcome
 
 
-def _durations(setup: core.ReplaySetup, segments: list[Segment]) -> list[str]:
-    """Each segment's ``max_duration``: the end of its last epoch.
+def _run_named(dirpath: str | os.PathLike, run: int | str | None) -> int | str | None:
+    """``run=`` as the store names runs: a Composer ``run_name`` (``Trainer(run_name=...)``,
+    kept in the record's config) becomes the latest recorded run of that name; anything else,
+    such as ``"run_0003"`` or a name no run has, is left for the store to resolve or refuse."""
+    if not isinstance(run, str):
+        return run
+    try:
+        store = HindsightStore(dirpath)
+    except StalwartError:
+        return run  # no readable record there: the store says so when the replay opens it
+    try:
+        runs = store.runs()
+        if any(r.name == run for r in runs):
+            return run
+        named = [r.run_id for r in runs if r.config.get("run_name") == run]
+    finally:
+        store.close()
+    return named[-1] if named else run
 
-    The segment that runs the record's last epoch stops at the batch where the recorded fit
-    stopped, which may be inside that epoch (``max_duration="30ba"``), where ``"3ep"`` would run
-    on to the epoch's end. At an epoch's end the two are one: Composer still runs the epoch's
-    end events when the batch limit falls on it.
-    """
-    stops = [setup.stop_step(segment) for segment in segments]
+
+@dataclasses.dataclass(frozen=True)
+class _SegmentEnd:
+    """Where a replay segment stops: after epoch ``last_epoch``, or at global step ``stop``
+    (the recorded fit's own stop, possibly inside that epoch); ``ends_fit``: the segment runs
+    the record's last epoch, so the recorded fit ended where it stops."""
+
+    last_epoch: int
+    stop: int | None
+    ends_fit: bool
+
+
+def _segment_ends(setup: core.ReplaySetup, segments: list[Segment]) -> list[_SegmentEnd]:
+    last = setup.recorded[-1] if setup.recorded else None
     return [
-        f"{segment.last_epoch + 1}ep" if stop is None else f"{stop}ba"
-        for segment, stop in zip(segments, stops, strict=True)
+        _SegmentEnd(segment.last_epoch, setup.stop_step(segment), segment.last_epoch == last)
+        for segment in segments
     ]
+
+
+class _StopAtSegmentEnd(Callback):
+    """Stops a replay segment's fit at its end, in a Trainer that has the record's run length.
+
+    The Trainer keeps the recorded ``max_duration``, so that everything reading the run's
+    length (a scheduler's ``t_max="1dur"``, ``state.get_elapsed_duration()``) sees the
+    recorded fit's; this callback, the Trainer's last, calls ``state.stop_training()`` once
+    every other callback has handled the segment's last epoch end (or its stop batch, when the
+    record stopped inside an epoch and the run length alone does not stop it there).
+    """
+
+    def __init__(self, end: _SegmentEnd) -> None:
+        self.end = end
+
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        stop = self.end.stop
+        if stop is None or int(state.timestamp.batch) < stop:
+            return
+        # A stop at an epoch's last batch waits for that epoch's end events.
+        length = state.dataloader_len
+        if length is None or int(state.timestamp.batch_in_epoch) < int(length):
+            self._stop(state)
+
+    def epoch_checkpoint(self, state: State, logger: Logger) -> None:
+        if int(state.timestamp.epoch) > self.end.last_epoch:  # (already the next epoch's)
+            self._stop(state)
+
+    def _stop(self, state: State) -> None:
+        if state.max_duration is None or state.timestamp < state.max_duration:
+            state.stop_training()
+
+
+@dataclasses.dataclass(frozen=True)
+class _SegmentLength:
+    """The ``max_duration`` a replay segment's Trainer runs with, and what stops it.
+
+    A record keeps its ``max_duration``: every segment runs with it and
+    :class:`_StopAtSegmentEnd` stops it. A record made before that was kept has only its
+    epochs' ends: each segment then runs to its own end (``"<last + 1>ep"``, or the recorded
+    stop ``"<step>ba"``), and what reads the run's length sees a shorter run than recorded.
+    """
+
+    recorded: str | None
+    ends: list[_SegmentEnd]
+
+    @classmethod
+    def of(cls, setup: core.ReplaySetup, ends: list[_SegmentEnd]) -> _SegmentLength:
+        recorded = setup.run.config.get("max_duration")
+        if recorded is None:
+            warnings.warn(
+                f"{setup.run.name} was recorded before Hindsight kept the run's max_duration: "
+                "each replay segment runs as if the fit ended with it, so schedules and "
+                "algorithms that depend on the run's length (t_max='1dur', "
+                "get_elapsed_duration()) may replay other values; re-record to replay exactly.",
+                stacklevel=3,
+            )
+        return cls(recorded, ends)
+
+    def max_duration(self, index: int) -> str:
+        if self.recorded is not None:
+            return self.recorded
+        end = self.ends[index]
+        return f"{end.last_epoch + 1}ep" if end.stop is None else f"{end.stop}ba"
+
+    def apply(self, state: State, index: int) -> None:
+        """Set the run length on a built Trainer and add the stop (as its last callback)."""
+        if self.recorded is None:
+            return
+        # Set here as well as passed to the factory: Composer scales a max_duration passed to
+        # the Trainer by its scale_schedule_ratio, and the recorded one is already scaled.
+        state.max_duration = Time.from_timestring(self.recorded)
+        state.callbacks.append(_StopAtSegmentEnd(self.ends[index]))
+
+
+def _drop_checkpoint_savers(state: State) -> bool:
+    """Take the Trainer's ``CheckpointSaver`` callbacks out (whether it had any): a replay
+    writes no checkpoint, and one would overwrite the run's own files (its ``latest``
+    included, from which autoresume would restart a finished run)."""
+    savers = [c for c in state.callbacks if isinstance(c, CheckpointSaver)]
+    state.callbacks[:] = [c for c in state.callbacks if not isinstance(c, CheckpointSaver)]
+    return bool(savers)
+
+
+def _replay_segment(
+    trainer_factory: Callable[..., Trainer],
+    probes: list[Callback],
+    setup: core.ReplaySetup,
+    length: _SegmentLength,
+    index: int,
+    segment: Segment,
+    replay_id: str,
+) -> None:
+    """Run one segment of a replay (in this process or a forked worker)."""
+    driver = _ReplayDriver(
+        segment, str(setup.store.root), setup.run.run_id, replay_id, index,
+        ends_fit=length.ends[index].ends_fit,
+    )  # fmt: skip
+    with _replaying():
+        trainer = trainer_factory(
+            load_path=str(setup.entries[segment.resume_from].path),
+            max_duration=length.max_duration(index),
+            save_folder=None,
+            autoresume=False,
+            loggers=[],  # the replayed values reach the user's loggers once, afterwards
+        )
+    _drop_checkpoint_savers(trainer.state)
+    trainer.state.algorithms.append(driver)
+    trainer.state.callbacks.extend(probes)
+    _attach(trainer.state, trainer.logger, driver.destination)
+    length.apply(trainer.state, index)
+    try:
+        trainer.fit()
+    finally:
+        driver.finish()
+        trainer.close()
 
 
 def _ends_after_this_epoch(state: State) -> bool:

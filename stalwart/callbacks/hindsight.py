@@ -58,7 +58,8 @@ class HindsightCallback(Callback):
     whether a checkpoint now keeps the record overhead under ``epsilon``. A checkpoint is complete:
     everything Lightning saves (module, optimizers, LR schedulers, precision state, loops, data
     module and callback states) plus every RNG state, so ``trainer.fit(ckpt_path=...)`` from it
-    continues bit for bit. The main thread only forks; a child writes the file in the background.
+    continues bit for bit. The main thread only snapshots the state (on CPU a copy handed to a
+    writer thread); the file is written in the background.
 
     Every ``self.log`` call is stored in ``dirpath/hindsight.db`` (SQLite) with the run's manifest;
     read it with :func:`stalwart.hindsight.open`.
@@ -66,12 +67,14 @@ class HindsightCallback(Callback):
     Args:
         dirpath: the run directory (created if missing). Each ``fit`` adds a run to it.
         epsilon: record overhead budget, a fraction in (0, 1); default 1/15 (6.67%).
-        materializer: ``"fork"`` (background writes, default) or ``"inline"`` (no fork).
+        materializer: ``"fork"`` (background writes, default: a writer thread on CPU, a fork or
+            the thread, measured, where the state is on a GPU) or ``"inline"`` (main thread).
         restore_ratio: expected restore/materialize cost ratio ``c`` of the policy.
 
     Example::
 
         from lightning.pytorch import Trainer
+        import stalwart
         from stalwart import HindsightCallback
 
         trainer = Trainer(max_epochs=20, callbacks=[HindsightCallback(dirpath="runs")])

@@ -11,8 +11,10 @@ captured here at record time.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback
 
 from stalwart.callbacks.lightning_internals import (
     logged_in_training,
@@ -53,17 +55,21 @@ def capture_logged(inner_loop_end: dict, trainer: Trainer) -> None:
     inner_loop_end[LOGGED_KEY] = logged_in_training(trainer)
 
 
-def restore_inner_loop_end(trainer: Trainer, checkpoint: dict) -> None:
+def restore_inner_loop_end(
+    trainer: Trainer, checkpoint: dict, callbacks: Sequence[Callback] = ()
+) -> None:
     """Put a fit in the state its recorded epoch had after its last training batch.
 
-    Weights, optimizer tensors and loop counters come from the epoch's checkpoint; schedulers,
-    hyperparameters, RNG and what the batches logged from the inner-loop-end capture stored
-    beside them.
+    Weights, optimizer tensors and loop counters come from the epoch's checkpoint, and
+    ``callbacks`` get it through ``on_load_checkpoint`` (see :func:`hand_checkpoint_to`);
+    schedulers, hyperparameters, RNG and what the batches logged from the inner-loop-end capture
+    stored beside them.
     """
     module = trainer.lightning_module
     module.load_state_dict(checkpoint["state_dict"])
     for optimizer, state in zip(trainer.optimizers, checkpoint["optimizer_states"], strict=True):
         optimizer.load_state_dict(state)
+    hand_checkpoint_to(callbacks, trainer, checkpoint)
     inner = checkpoint[INNER_LOOP_END_KEY]
     for config, state in zip(trainer.lr_scheduler_configs, inner["lr_schedulers"], strict=True):
         config.scheduler.load_state_dict(state)
@@ -78,3 +84,27 @@ def restore_inner_loop_end(trainer: Trainer, checkpoint: dict) -> None:
     restore_rng(inner["rng"])
     if inner.get("loader_rng"):  # absent from records made before it was captured
         restore_loader_rng(trainer, inner["loader_rng"])
+
+
+def hand_checkpoint_to(callbacks: Sequence[Callback], trainer: Trainer, checkpoint: dict) -> None:
+    """Call each callback's ``on_load_checkpoint`` with a memoized epoch's checkpoint, after the
+    weights are loaded, as Lightning's resume does.
+
+    Lightning's weight averaging (``EMAWeightAveraging``) needs it: its ``on_save_checkpoint``
+    puts the *averaged* weights in ``checkpoint["state_dict"]`` and the training weights in
+    ``checkpoint["current_model_state"]``, and its ``on_load_checkpoint`` puts both back. By default
+    its average changes per training batch only, so the epoch's end holds it as the last batch left
+    it (updates at epoch ends are in the docs' Limitations).
+
+    Callbacks' ``load_state_dict`` is not called: state such as ``EarlyStopping``'s wait count
+    changes in the epoch-end hooks a memoized epoch runs again, and loading it as the epoch
+    ended would count that epoch twice. Such state carries on from the segment's start as it did
+    in the record.
+    """
+    module = trainer.lightning_module
+    previous, module._current_fx_name = module._current_fx_name, "on_load_checkpoint"
+    try:
+        for callback in callbacks:
+            callback.on_load_checkpoint(trainer, module, checkpoint)
+    finally:
+        module._current_fx_name = previous

@@ -163,8 +163,16 @@ class ReplayDriver(Callback):
         replace_epoch_batches(
             trainer,
             skip=self.segment.memoized.__contains__,
-            restore=lambda epoch: restore_inner_loop_end(trainer, self.checkpoints[epoch].load()),
+            restore=lambda epoch: self._restore_memoized(trainer, epoch),
         )
+
+    def _restore_memoized(self, trainer: Trainer, epoch: int) -> None:
+        # The record's own file, its bytes checked against the record's index first: loaded in
+        # full, as the segment's start is, since callbacks' state may hold objects a weights-only
+        # load refuses (StochasticWeightAveraging's scheduler keeps a function).
+        checkpoint = self.checkpoints[epoch].load(weights_only=False)
+        others = [callback for callback in trainer.callbacks if callback is not self]
+        restore_inner_loop_end(trainer, checkpoint, others)
 
     def on_load_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]

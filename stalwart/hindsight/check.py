@@ -9,11 +9,14 @@ run the training batches the record ran in it. What is compared where:
   checkpoint's step (validation, epoch-end hooks) are compared, values of per-batch hooks are not
   expected, and other recorded values (mid-epoch validation with ``val_check_interval``) are not
   re-run, only counted;
-- a value the replay logged at a step where the record has none of that name is a mismatch.
+- a value the replay logged at a step where the record has none of that name is a mismatch;
+- series that measure the machine rather than the model (:data:`MACHINE_MEASURES`: wall-clock
+  time, throughput) differ in every run, so they are not compared, only counted as not re-run.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +30,23 @@ from stalwart.hindsight.store import CheckpointEntry, HindsightStore, Run
 
 #: The name a :class:`BatchMismatch` goes by in ``result.mismatches``.
 TRAINING_BATCHES = "training batches"
+
+#: The series the deferred check does not compare: they time the run (wall clock, throughput),
+#: so no replay, however exact, logs the recorded values. Each one recorded in a replayed epoch
+#: counts as not re-run (``result.not_rerun``). Composer: ``SpeedMonitor``'s ``throughput/...``
+#: and ``time/train``, ``time/val``, ``time/total``, ``RuntimeEstimator``'s
+#: ``time/remaining_estimate``, older versions' ``wall_clock/...`` (Composer's other ``time/``
+#: series count batches and samples, and are compared). Lightning: ``ThroughputMonitor``'s
+#: ``<stage>|time`` and ``...per_sec`` / ``mfu`` (default separator ``|``).
+MACHINE_MEASURES = re.compile(
+    r"throughput/.*|wall_clock/.*|time/(train|val|total|remaining_estimate)"
+    r"|\w+\|(time|(.*\|)?(\w+_per_sec|mfu))"
+)
+
+
+def measures_the_machine(name: str) -> bool:
+    """Whether the series ``name`` times the run (see :data:`MACHINE_MEASURES`)."""
+    return MACHINE_MEASURES.fullmatch(name) is not None
 
 
 @dataclass(frozen=True, repr=False)
@@ -169,7 +189,8 @@ def deferred_check(
         batch_hooks: the hooks that run per training batch, whose values a memoized epoch does
             not reproduce (the last batch's end shares the epoch end's step).
 
-    Returns the mismatches and how many recorded values memoized epochs did not re-run.
+    Returns the mismatches and how many recorded values were not re-run: those of memoized
+    epochs that only an epoch's end re-runs, and those of series that time the run.
     """
     epochs = sorted(set().union(*(s.requested for s in segments)))
     memoized = {e for s in segments for e in s.memoized & s.requested}
@@ -185,6 +206,9 @@ def deferred_check(
         replayed = group[group.source == "replay"]
         if recorded.empty:
             continue  # only the replay logged it: a new probe's series
+        if measures_the_machine(name):
+            not_rerun += len(recorded)
+            continue
         if epoch in memoized:
             recorded, skipped = _due_from_memoized(recorded, replayed, entries[epoch], batch_hooks)
             not_rerun += skipped

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import zlib
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from stalwart import durable
-from stalwart.errors import CorruptCheckpointError
+from stalwart.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 
 def write_checkpoint(obj: Any, path: str | os.PathLike) -> durable.WrittenFile:
@@ -65,11 +66,44 @@ def verify_checkpoint(path: str | os.PathLike, nbytes: int, crc32: int) -> bytes
 
 
 def read_checkpoint(
-    path: str | os.PathLike, nbytes: int, crc32: int, map_location: Any = "cpu"
+    path: str | os.PathLike,
+    nbytes: int,
+    crc32: int,
+    map_location: Any = "cpu",
+    *,
+    weights_only: bool = True,
 ) -> dict:
-    """Load a verified checkpoint. Raises :class:`CorruptCheckpointError` on any mismatch."""
+    """Load a verified checkpoint.
+
+    ``weights_only`` as in ``torch.load``: True (the default) loads only tensors and plain
+    containers, so a record from someone else cannot run code; False loads anything, for records
+    you trust (a ``StochasticWeightAveraging`` callback's state holds its scheduler's function).
+
+    Raises:
+        CorruptCheckpointError: the file is missing, truncated, changed or unreadable.
+        UnsafeCheckpointError: the file is intact but holds objects ``weights_only`` refuses.
+    """
     data = verify_checkpoint(path, nbytes, crc32)
     try:
-        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as exc:
+        # The bytes are the ones the record wrote (size and CRC-32 matched): a refusal of the
+        # weights-only unpickler is about what the file holds, not damage to it.
+        if weights_only:
+            raise UnsafeCheckpointError(unsafe_message(path, exc)) from None
+        raise CorruptCheckpointError(f"checkpoint {path} cannot be deserialized: {exc}") from exc
     except Exception as exc:  # a checksum match with an unreadable payload: written corrupt
         raise CorruptCheckpointError(f"checkpoint {path} cannot be deserialized: {exc}") from exc
+
+
+def unsafe_message(path: str | os.PathLike, exc: Exception) -> str:
+    """What a weights-only load of an intact checkpoint refused, and what to do about it."""
+    refused = [line.strip() for line in str(exc).splitlines() if "global" in line.lower()]
+    return (
+        f"checkpoint {path} is intact (its size and CRC-32 match the run's index) but holds "
+        f"objects that loading with weights_only=True refuses ({refused[0] if refused else exc}); "
+        "nothing was run. Callbacks such as StochasticWeightAveraging keep such objects in their "
+        "state. If you trust this record (e.g. you recorded it), load it with "
+        "checkpoint.load(weights_only=False), or allow the types with "
+        "torch.serialization.add_safe_globals([...])."
+    )

@@ -4,6 +4,11 @@ An epoch is *memoized* when its checkpoint exists and the probe does not need it
 batches: the replay restores the state its batches produced and runs only the epoch-level work.
 An outer-loop probe (epoch-level hooks only) memoizes every epoch it can; an inner-loop probe
 re-executes the epochs it asks for, each segment resuming from the nearest checkpoint before it.
+
+A memoized epoch restores only its *end*: its start is the previous epoch's end (what
+``on_train_epoch_start`` sees, and the state earlier epochs' epoch-level work carried into it,
+such as a callback's or the probe's own). So every epoch from a segment's checkpoint to its last
+runs, trained where it has no checkpoint, also when its values were not asked for.
 """
 
 from __future__ import annotations

@@ -47,6 +47,24 @@ class Decision:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Totals:
+    """What a policy has accounted: epochs, checkpoints, compute seconds and the record's
+    seconds (all of them, and the part outside checkpoints). See
+    :meth:`JointInvariantPolicy.own`."""
+
+    epochs: int = 0
+    checkpoints: int = 0
+    compute: float = 0.0
+    materialize: float = 0.0
+    fixed: float = 0.0
+
+    @property
+    def overhead(self) -> float:
+        """``materialize / compute``: the record overhead these totals amount to."""
+        return self.materialize / self.compute if self.compute > 0 else 0.0
+
+
 def validate_epsilon(epsilon: float) -> float:
     if not isinstance(epsilon, (int, float)) or not 0.0 < float(epsilon) < 1.0:
         raise ConfigurationError(
@@ -120,6 +138,8 @@ class JointInvariantPolicy:
         #: Every epoch's expected cost so far: coverage's period is kept from that run-wide
         #: median as well as the recent one (see :meth:`decide`).
         self.estimates: list[float] = []
+        #: What a checkpoint this policy was loaded from had accounted (see :meth:`own`).
+        self.inherited = Totals()
 
     @property
     def typical_cost(self) -> float | None:
@@ -142,8 +162,29 @@ class JointInvariantPolicy:
 
     @property
     def overhead(self) -> float:
-        """Cumulative measured overhead so far: ``sum(M) / sum(C)``."""
+        """Cumulative measured overhead so far: ``sum(M) / sum(C)`` (a resumed record's
+        included; :meth:`own` has this run's alone)."""
         return self.total_materialize / self.total_compute if self.total_compute > 0 else 0.0
+
+    def totals(self) -> Totals:
+        """Everything accounted so far, the runs this one resumed from included."""
+        return Totals(
+            self.epochs, self.checkpoints, self.total_compute, self.total_materialize,
+            self.total_fixed,
+        )  # fmt: skip
+
+    def own(self) -> Totals:
+        """What this run accounted itself: :meth:`totals` less what the checkpoint it was loaded
+        from had (:meth:`load_state_dict`). A resumed record's decisions keep weighing the whole
+        history, but its figure is its own epochs, checkpoints and seconds."""
+        now, before = self.totals(), self.inherited
+        return Totals(
+            now.epochs - before.epochs,
+            now.checkpoints - before.checkpoints,
+            max(now.compute - before.compute, 0.0),
+            max(now.materialize - before.materialize, 0.0),
+            max(now.fixed - before.fixed, 0.0),
+        )
 
     def should_checkpoint(
         self, n: int, k: int, materialize_cost: float, compute_time: float
@@ -247,19 +288,31 @@ class JointInvariantPolicy:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.epochs = int(state["epochs"])
-        self.checkpoints = int(state["checkpoints"])
-        self.total_compute = float(state["total_compute"])
-        self.total_materialize = float(state["total_materialize"])
+        """Continue a checkpointed policy: its totals go on counting here (decisions weigh the
+        whole record), noted as :attr:`inherited` so that :meth:`own` stays this run's. What
+        this run charged before the load (its start) stays charged, on top of them."""
+        charged = self.totals()
+        self.inherited = Totals(
+            int(state["epochs"]),
+            int(state["checkpoints"]),
+            float(state["total_compute"]),
+            float(state["total_materialize"]),
+            float(state.get("total_fixed", 0.0)),
+        )
+        self.epochs = self.inherited.epochs + charged.epochs
+        self.checkpoints = self.inherited.checkpoints + charged.checkpoints
+        self.total_compute = self.inherited.compute + charged.compute
+        self.total_materialize = self.inherited.materialize + charged.materialize
+        self.total_fixed = self.inherited.fixed + charged.fixed
         self.restore_ratio = float(state.get("restore_ratio", self.restore_ratio))
         self.aim = float(state.get("aim", 1.0))  # saved before the aim existed: Flor's policy
-        self.total_fixed = float(state.get("total_fixed", 0.0))
+        before = self.inherited
         recent = state.get("recent_costs")
-        if recent is None and self.checkpoints:  # saved before per-checkpoint costs were kept
-            recent = [self.total_materialize / self.checkpoints]
+        if recent is None and before.checkpoints:  # saved before per-checkpoint costs were kept
+            recent = [before.materialize / before.checkpoints]
         self.recent_costs = deque(map(float, recent or []), maxlen=self.RECENT)
-        self.last_checkpoint_epochs = int(state.get("last_checkpoint_epochs", self.epochs))
+        self.last_checkpoint_epochs = int(state.get("last_checkpoint_epochs", before.epochs))
         self.compute_at_last_checkpoint = float(
-            state.get("compute_at_last_checkpoint", self.total_compute)
+            state.get("compute_at_last_checkpoint", before.compute)
         )
         self.estimates = list(map(float, state.get("estimates", [])))

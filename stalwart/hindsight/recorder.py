@@ -382,15 +382,21 @@ class Recorder:
 
 
 def overhead_figure(policy: JointInvariantPolicy) -> dict[str, float | int]:
-    """The record's overhead figure and its parts, as a run keeps it (:attr:`Run.overhead`)."""
+    """The record's overhead figure and its parts, as a run keeps it (:attr:`Run.overhead`).
+
+    The run's own (:meth:`JointInvariantPolicy.own`): a fit resumed from a record checkpoint
+    continues its policy's totals, and used to report the parent run's epochs, checkpoints and
+    seconds as its own, where its decisions and ``stalwart runs`` counted its own.
+    """
+    own = policy.own()
     return {
-        "overhead": policy.overhead,
-        "outside_checkpoints": policy.total_fixed / max(policy.total_compute, 1e-12),
-        "spent_seconds": policy.total_materialize,
-        "fixed_seconds": policy.total_fixed,
-        "compute_seconds": policy.total_compute,
-        "epochs": policy.epochs,
-        "checkpoints": policy.checkpoints,
+        "overhead": own.overhead,
+        "outside_checkpoints": own.fixed / max(own.compute, 1e-12),
+        "spent_seconds": own.materialize,
+        "fixed_seconds": own.fixed,
+        "compute_seconds": own.compute,
+        "epochs": own.epochs,
+        "checkpoints": own.checkpoints,
         "epsilon": policy.epsilon,
     }
 

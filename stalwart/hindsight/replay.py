@@ -12,9 +12,14 @@ import dataclasses
 import json
 import logging
 import multiprocessing
+import multiprocessing.connection
+import numbers
 import re
+import signal
+import sqlite3
 import threading
 import time
+import traceback
 import uuid
 import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -32,6 +37,7 @@ from stalwart.errors import (
     ReplayError,
     RunDirectoryError,
     RunNotFoundError,
+    StalwartError,
 )
 from stalwart.hindsight.check import BatchMismatch, Mismatch, batch_check, deferred_check, hint
 from stalwart.hindsight.checkpoint_file import verify_checkpoint
@@ -56,8 +62,9 @@ class ReplayResult:
     batch_epochs: list[int]
     seconds: float
     mismatches: list[Mismatch] = field(default_factory=list)
-    #: Recorded values inside memoized epochs that the replay did not re-run (e.g. mid-epoch
-    #: validation with ``val_check_interval``): memoized epochs re-run only their epoch end.
+    #: Recorded values the replay did not compare: those inside memoized epochs (e.g. mid-epoch
+    #: validation with ``val_check_interval``; memoized epochs re-run only their epoch end) and
+    #: series that time the run (``check.MACHINE_MEASURES``), which differ in every run.
     not_rerun: int = 0
     #: The plan's cost estimate, made before the replay ran (see ``dry_run``).
     estimate: ReplayEstimate | None = None
@@ -89,8 +96,8 @@ class ReplayResult:
             )
         if self.not_rerun:
             line += (
-                f"; {self.not_rerun} recorded value(s) from inside memoized epochs not re-run "
-                "(only an epoch's end is)"
+                f"; {self.not_rerun} recorded value(s) not compared (series that time the run, "
+                "and what memoized epochs do not re-run: only an epoch's end is)"
             )
         return line
 
@@ -150,11 +157,14 @@ def prepare(
 ) -> ReplaySetup:
     """Open the record and check the request against it, before any work.
 
-    A dry run opens the record read-only in effect: nothing is created or swept.
+    The record must exist: a replay never creates one (a mistyped or moved ``dirpath`` would
+    otherwise be left holding an empty database). A dry run writes nothing at all.
     """
     if not isinstance(workers, int) or workers < 1:
         raise ConfigurationError(f"workers={workers!r}: pass a whole number >= 1.")
-    store = HindsightStore(dirpath, create=not dry_run)
+    store = HindsightStore(dirpath)
+    if not dry_run:
+        store.add_missing_tables()  # a record made before a table existed, as a record's start
     recorded_run = store.run(run)
     recorded_epochs = sorted(recorded_run.decisions().epoch.tolist())
     entries = {e.epoch: e for e in recorded_run.checkpoints(include_initial=True)}
@@ -163,7 +173,7 @@ def prepare(
     )
     if start is not None:
         entries.setdefault(start.epoch, start)
-    wanted = recorded_epochs if epochs is None else sorted(set(epochs))
+    wanted = recorded_epochs if epochs is None else requested_epochs(epochs)
     setup = ReplaySetup(store, recorded_run, wanted, entries, unusable, recorded=recorded_epochs)
     # An epoch holding recorded values that no replay can run is said, never left out silently:
     # a replay of "every epoch" used to return the others alone, and no mismatch showed it. Asked
@@ -187,6 +197,18 @@ def prepare(
             + (f" {unusable}" if unusable else "")
         )
     return setup
+
+
+def requested_epochs(epochs: Any) -> list[int]:
+    """The epochs a replay's ``epochs=`` names, sorted: one epoch number, or several."""
+    if isinstance(epochs, numbers.Integral) and not isinstance(epochs, bool):
+        return [int(epochs)]
+    if not isinstance(epochs, Iterable) or isinstance(epochs, str):
+        raise ConfigurationError(
+            f"epochs={epochs!r}: pass an epoch number or several, e.g. epochs=3, "
+            "epochs=[3, 4] or epochs=range(10, 20)."
+        )
+    return sorted(set(epochs))
 
 
 def unended_epochs(setup: ReplaySetup) -> list[int]:
@@ -375,19 +397,10 @@ def run_segments(
     replay_id = uuid.uuid4().hex[:12]
     numerics = setup.run.config.get(NUMERICS_KEY, {})
     started = time.perf_counter()
-    # Every segment computes with the record's settings (threads included, even if the workers
-    # then share the cores): a reduction split over 2 threads sums differently than over 1.
-    with recorded_numerics(numerics):
-        _execute(segments, replay_segment, replay_id, numerics)
+    work = _execute_whole(setup, segments, replay_segment, replay_id)
     seconds = time.perf_counter() - started
 
     store, recorded_run = setup.store, setup.run
-    work = store.query(
-        "SELECT segment, batch_epochs FROM replay_work WHERE replay_id = ? ORDER BY segment",
-        (replay_id,),
-    )
-    if len(work) != len(segments):
-        raise ReplayError(f"replay {replay_id}: {len(segments) - len(work)} worker(s) failed.")
     work["batch_epochs"] = work.batch_epochs.map(json.loads)
     batch_epochs = [e for ran in work.batch_epochs for e in ran]
     result = ReplayResult(
@@ -413,6 +426,88 @@ def run_segments(
         for problem in result.logger_problems:
             warnings.warn(f"replay {replay_id}: {problem}", stacklevel=4)
     return result
+
+
+def _execute_whole(
+    setup: ReplaySetup, segments: list[Segment], replay_segment: Callable, replay_id: str
+) -> pd.DataFrame:
+    """Run every segment and return their ``replay_work`` rows; or, if any segment fails, drop
+    every row the replay wrote and raise: values of some batches only are no result, and must
+    not be read back as one (nor reach a logger)."""
+    numerics = setup.run.config.get(NUMERICS_KEY, {})
+    try:
+        # Every segment computes with the record's settings (threads included, even if the
+        # workers then share the cores): a reduction split over 2 threads sums differently.
+        with recorded_numerics(numerics):
+            failures, stopped = _execute(segments, replay_segment, replay_id, numerics)
+        if failures:
+            raise ReplayError(_failed_replay(replay_id, setup.run, failures, stopped))
+        work = setup.store.query(
+            "SELECT segment, batch_epochs FROM replay_work WHERE replay_id = ? ORDER BY segment",
+            (replay_id,),
+        )
+        if len(work) != len(segments):  # a worker that ended without an error, nor its work
+            missing = sorted(set(range(len(segments))) - set(work.segment))
+            raise ReplayError(
+                f"replay {replay_id} of {setup.run.name}: segment(s) {missing} ended without "
+                "storing their work; nothing of this replay was kept. Replay again."
+            )
+    except BaseException:
+        _discard(setup.store, replay_id)
+        raise
+    return work
+
+
+def _discard(store: HindsightStore, replay_id: str) -> None:
+    try:
+        store.discard_replay(replay_id)
+    except (sqlite3.Error, StalwartError) as exc:  # the replay's own error matters more
+        log.warning("could not delete the rows of failed replay %s: %s", replay_id, exc)
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """How the worker process of one replay segment failed."""
+
+    index: int
+    segment: Segment
+    exitcode: int | None
+    #: What the worker raised (type, message, last frames), as it sent it; None when it sent
+    #: nothing (killed by a signal, or it exited on its own).
+    report: str | None = None
+
+    def __str__(self) -> str:
+        epochs = self.segment.epochs
+        said = f"epoch {epochs[0]}" if len(epochs) == 1 else f"epochs {epochs[0]}..{epochs[-1]}"
+        where = f"segment {self.index} ({said})"
+        if self.report is not None:
+            return f"{where} raised {self.report}"
+        if self.exitcode is not None and self.exitcode < 0:
+            try:
+                name = signal.Signals(-self.exitcode).name
+            except ValueError:
+                name = f"signal {-self.exitcode}"
+            oom = (
+                " (the kernel's out-of-memory killer sends it: if memory ran short, replay with "
+                "fewer workers)" if -self.exitcode == signal.SIGKILL else ""
+            )  # fmt: skip
+            return f"{where}: its worker process was killed by {name}{oom}"
+        return f"{where}: its worker process exited with code {self.exitcode}, raising nothing"
+
+
+def _failed_replay(replay_id: str, run: Run, failures: list[WorkerFailure], stopped: int) -> str:
+    """The message of a replay whose workers failed: which segments, why, and what was kept."""
+    first, *others = failures
+    said = [f"replay {replay_id} of {run.name} failed: {str(first).rstrip()}"]
+    said += [f"Also {str(other).rstrip()}" for other in others]
+    if stopped:
+        said.append(f"{stopped} other worker(s), still running then, were stopped.")
+    said.append(
+        "Nothing of this replay was kept (its values were deleted from the record; no logger "
+        "was written to). Fix the cause and replay again; with workers=1 the replay runs in "
+        "this process, where a debugger can stop at the error."
+    )
+    return "\n".join(said)
 
 
 def new_series(result: ReplayResult) -> pd.DataFrame:
@@ -443,8 +538,11 @@ def logger_targets(run: Run, loggers: Any) -> list[dict]:
 
 def _execute(
     segments: Sequence[Segment], replay_segment: Callable, replay_id: str, numerics: Mapping
-) -> None:
-    """Run every segment: one here; several in forked workers (in turn here if CUDA is in use)."""
+) -> tuple[list[WorkerFailure], int]:
+    """Run every segment: one here; several in forked workers (in turn here if CUDA is in use).
+
+    A segment run here raises its own error. Returns the workers that failed, and how many
+    others were stopped then (the replay has failed: their work would be thrown away)."""
     if len(segments) == 1 or torch.cuda.is_initialized():
         if len(segments) > 1:
             # A forked child cannot use the CUDA context this process holds.
@@ -454,22 +552,61 @@ def _execute(
             )  # fmt: skip
         for index, segment in enumerate(segments):
             replay_segment(index, segment, replay_id)
-    else:
-        context = multiprocessing.get_context("fork")
-        processes = [
-            context.Process(
-                target=_worker_main, args=(numerics, replay_segment, index, segment, replay_id)
-            )
-            for index, segment in enumerate(segments)
-        ]
+        return [], 0
+    context = multiprocessing.get_context("fork")
+    # One pipe per worker, for its error: a child's traceback on its stderr reaches no caller.
+    pipes = [context.Pipe(duplex=False) for _ in segments]
+    processes = [
+        context.Process(
+            target=_worker_main,
+            args=(numerics, replay_segment, index, segment, replay_id, pipes[index][1]),
+        )
+        for index, segment in enumerate(segments)
+    ]
+    try:
         # Forked from a thread that never ran a parallel region: OpenMP's worker pool belongs
         # to the thread that used it, and a child forked from that thread waits forever for
         # pool threads that fork did not copy (as soon as it runs with more than 1 thread).
         starter = threading.Thread(target=lambda: [p.start() for p in processes])
         starter.start()
         starter.join()
+        failures = _await_workers(processes, [reader for reader, _ in pipes], segments)
+    finally:
+        # Still running only after a failure (or an interrupt here): that replay is over.
+        stopped = [p for p in processes if p.is_alive()]
+        for process in stopped:
+            process.terminate()
         for process in processes:
+            if process.pid is not None:
+                process.join()
+        for reader, writer in pipes:
+            reader.close()
+            writer.close()
+    return failures, len(stopped)
+
+
+def _await_workers(
+    processes: list, readers: list, segments: Sequence[Segment]
+) -> list[WorkerFailure]:
+    """Wait until every worker has ended, or one has failed (then no longer: the replay has
+    failed). A failed worker's report is read from its pipe; it sent none if it was killed."""
+    running = {process.sentinel: index for index, process in enumerate(processes)}
+    failures: list[WorkerFailure] = []
+    while running and not failures:
+        for sentinel in multiprocessing.connection.wait(list(running)):
+            index = running.pop(sentinel)
+            process = processes[index]
             process.join()
+            if process.exitcode != 0:
+                report = readers[index].recv() if readers[index].poll() else None
+                failures.append(WorkerFailure(index, segments[index], process.exitcode, report))
+    return failures
+
+
+#: How much of a worker's error travels back: its last frames (the probe's, usually; those
+#: above are the framework's fit loop), and a bounded message (a pipe holds 64 KiB unread).
+_REPORTED_FRAMES = 6
+_REPORTED_CHARS = 4000
 
 
 def _worker_main(
@@ -478,7 +615,20 @@ def _worker_main(
     index: int,
     segment: Segment,
     replay_id: str,
+    report: multiprocessing.connection.Connection,
 ) -> None:
     # Set again in the child: a forked process's thread pool does not carry the parent's setting.
     restore_numerics(numerics)
-    replay_segment(index, segment, replay_id)
+    try:
+        replay_segment(index, segment, replay_id)
+    except BaseException as exc:
+        report.send(failure_report(exc))
+        raise SystemExit(1) from None  # exit 1, the error said once: in the caller's ReplayError
+
+
+def failure_report(exc: BaseException) -> str:
+    """``RuntimeError: message`` and the last frames of where it was raised, bounded."""
+    line = "".join(traceback.format_exception_only(exc)).strip()[: _REPORTED_CHARS // 2]
+    frames = traceback.format_tb(exc.__traceback__)[-_REPORTED_FRAMES:]
+    text = f"{line}\nIts last frames (most recent call last):\n{''.join(frames)}"
+    return text[:_REPORTED_CHARS]

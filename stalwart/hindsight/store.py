@@ -9,6 +9,7 @@ wrote the file, after the rename, so a row always names a complete file.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sqlite3
@@ -21,7 +22,7 @@ from typing import Any
 import pandas as pd
 
 from stalwart.durable import TEMP_MARKER, WrittenFile, is_temp
-from stalwart.errors import RunDirectoryError, RunNotFoundError
+from stalwart.errors import CorruptStoreError, RunDirectoryError, RunNotFoundError
 from stalwart.hindsight.checkpoint_file import read_checkpoint
 
 DB_NAME = "hindsight.db"
@@ -135,6 +136,62 @@ def _check_ours(db: Path) -> None:
         )
 
 
+#: SQLite's primary result codes for a file that is no longer a whole database.
+_DAMAGED_CODES = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
+
+
+def damaged_store_error(db: Path, why: str) -> CorruptStoreError:
+    """The error for a damaged ``hindsight.db``: what it is, and what is still usable."""
+    return CorruptStoreError(
+        f"{db} is damaged ({why}): the record in it cannot be read. The checkpoint files in the "
+        "run_* folders beside it are files of their own that this does not touch (a fit can "
+        "still resume from one of them). To record again, use a new directory, or "
+        f"move this {DB_NAME} (and any -wal/-shm file beside it) away first."
+    )
+
+
+def _sqlite_damage(exc: BaseException) -> sqlite3.DatabaseError | None:
+    """The SQLite error saying the file is damaged behind ``exc`` (pandas wraps the ones its
+    queries raise), or None: a locked database or a bad query is no damage."""
+    for error in (exc, exc.__cause__):
+        code = getattr(error, "sqlite_errorcode", None)
+        if isinstance(error, sqlite3.DatabaseError) and code is not None:
+            return error if code & 0xFF in _DAMAGED_CODES else None
+    return None
+
+
+def _reads_the_store(method):
+    """Say a damaged database as such: SQLite finds the damage only on the pages a query reads,
+    so any read of a store that opened fine can meet it (otherwise a raw sqlite3 traceback)."""
+
+    @functools.wraps(method)
+    def read(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            damage = _sqlite_damage(exc)
+            if damage is None:
+                raise
+            store = self if isinstance(self, HindsightStore) else self.store
+            raise damaged_store_error(store.db_path, f"SQLite: {damage}") from exc
+
+    return read
+
+
+def _check_readable(db: Path) -> None:
+    """Refuse, before SQLite opens it, a ``hindsight.db`` to read that is missing, empty or not
+    ours. An empty file holds no record (a creation cut short, or a file emptied): opening it
+    would make it a new, empty database."""
+    if not db.is_file():
+        raise RunNotFoundError(
+            f"no hindsight record in {db.parent} (no {DB_NAME}); record a run there first "
+            "(HindsightCallback(dirpath=...) in Lightning, Hindsight(dirpath) in Composer)."
+        )
+    if db.stat().st_size == 0:
+        raise damaged_store_error(db, "it is empty: 0 bytes")
+    _check_ours(db)
+
+
 def prepare_directory(dirpath: str | os.PathLike) -> Path:
     """Create or validate a run directory for writing; never modifies anything that is not ours."""
     root = Path(dirpath).expanduser()
@@ -197,9 +254,12 @@ class CheckpointEntry:
     nbytes: int
     crc32: int
 
-    def load(self, map_location: Any = "cpu") -> dict:
-        """The checkpoint's contents, verified against its recorded size and CRC-32."""
-        return read_checkpoint(self.path, self.nbytes, self.crc32, map_location=map_location)
+    def load(self, map_location: Any = "cpu", *, weights_only: bool = True) -> dict:
+        """The checkpoint's contents, verified against its recorded size and CRC-32
+        (``weights_only`` as in :func:`~stalwart.hindsight.checkpoint_file.read_checkpoint`)."""
+        return read_checkpoint(
+            self.path, self.nbytes, self.crc32, map_location=map_location, weights_only=weights_only
+        )
 
 
 class HindsightStore:
@@ -221,14 +281,22 @@ class HindsightStore:
             self.root = prepare_directory(dirpath)
         else:
             self.root = Path(dirpath).expanduser()
-            if not (self.root / DB_NAME).is_file():
-                raise RunNotFoundError(
-                    f"no hindsight record in {self.root} (no {DB_NAME}); record a run there with "
-                    "HindsightCallback(dirpath=...) first."
-                )
-            _check_ours(self.root / DB_NAME)
+            _check_readable(self.root / DB_NAME)
         self.db_path = self.root / DB_NAME
-        self._conn = _connect(self.db_path)
+        self._conn = self._open(create)
+
+    @_reads_the_store
+    def _open(self, create: bool) -> sqlite3.Connection:
+        conn = _connect(self.db_path)  # its first statements read the file: damage shows here
+        try:
+            self._conn = conn
+            self._create_or_check(create)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _create_or_check(self, create: bool) -> None:
         if create:
             # The id, the schema version and the tables in one transaction while still in
             # rollback-journal mode, so they land in the main file together: a crash right after
@@ -241,9 +309,17 @@ class HindsightStore:
             self._conn.execute("PRAGMA journal_mode = WAL")
             self._conn.execute("PRAGMA synchronous = NORMAL")
             sweep_torn_files(self.root)
+        # The runs table is read at once: a file damaged there is said now, not at first use.
+        self._conn.execute("SELECT count(*) FROM runs").fetchone()
 
     def close(self) -> None:
         self._conn.close()
+
+    @_reads_the_store
+    def add_missing_tables(self) -> None:
+        """Add the tables a database made by an older version lacks (every table is created
+        only if missing), as opening it to record does; a replay writes to some of them."""
+        self._conn.executescript(_SCHEMA)
 
     def __enter__(self) -> HindsightStore:
         return self
@@ -387,13 +463,23 @@ class HindsightStore:
              json.dumps(batch_epochs), seconds),
         )  # fmt: skip
 
+    def discard_replay(self, replay_id: str) -> None:
+        """Delete every row a replay wrote (its values and work), in one commit: a replay that
+        failed part-way holds some batches' values only, which no reader may take for its
+        result."""
+        with self.batch():
+            self._conn.execute("DELETE FROM metrics WHERE replay_id = ?", (replay_id,))
+            self._conn.execute("DELETE FROM replay_work WHERE replay_id = ?", (replay_id,))
+
     # -- reading ---------------------------------------------------------------------------
 
+    @_reads_the_store
     def runs(self) -> list[Run]:
         """Every recorded run, oldest first."""
         ids = self._conn.execute("SELECT run_id FROM runs ORDER BY run_id").fetchall()
         return [Run(self, run_id) for (run_id,) in ids]
 
+    @_reads_the_store
     def run(self, run: int | str | None = None) -> Run:
         """A run by id or name (``"run_0003"``); the latest when ``run`` is None."""
         if run is None:
@@ -403,10 +489,16 @@ class HindsightStore:
         else:
             row = self._conn.execute("SELECT run_id FROM runs WHERE run_id = ?", (run,)).fetchone()
         if row is None or row[0] is None:
-            known = ", ".join(r.name for r in self.runs()) or "none"
+            known = ", ".join(r.name for r in self.runs())
+            if not known:
+                raise RunNotFoundError(
+                    f"{self.root} holds no recorded run yet; record one there first "
+                    "(HindsightCallback(dirpath=...) in Lightning, Hindsight(dirpath) in Composer)."
+                )
             raise RunNotFoundError(f"no run {run!r} in {self.root} (recorded runs: {known}).")
         return Run(self, int(row[0]))
 
+    @_reads_the_store
     def query(self, sql: str, params: Sequence = ()) -> pd.DataFrame:
         return pd.read_sql_query(sql, self._conn, params=params)
 
@@ -451,6 +543,7 @@ def checkpoint_recorder(db_path: Path, run_id: int, epoch: int, step: int):
 class Run:
     """One recorded run: its manifest, logged values and checkpoints."""
 
+    @_reads_the_store
     def __init__(self, store: HindsightStore, run_id: int) -> None:
         self.store = store
         self.run_id = run_id
@@ -482,6 +575,7 @@ class Run:
         """
         return self.config.get(OVERHEAD_KEY)
 
+    @_reads_the_store
     def metric_names(self) -> list[str]:
         rows = self.store._conn.execute(
             "SELECT DISTINCT name FROM metrics WHERE run_id = ? ORDER BY name", (self.run_id,)
@@ -533,6 +627,7 @@ class Run:
             (self.run_id,),
         )
 
+    @_reads_the_store
     def checkpoints(self, include_initial: bool = False) -> list[CheckpointEntry]:
         """The complete checkpoints of this run, by epoch (each one's state after that epoch).
 
