@@ -320,8 +320,9 @@ class ChainWriter:
         self._warned_folders = True
         say(
             "%s is in another folder than %s, the file the chain would extend: it starts a new "
-            "keyframe, so that each folder's checkpoints restore without the other's. Keep "
-            "checkpoints in one folder (no '/' in the filename) for deltas between them.",
+            "keyframe, so that each folder's checkpoints restore without the other's. To keep "
+            "deltas, save into the folder the chain is in: resume into the same dirpath (not a "
+            "new version_N folder of the logger's), with no '/' in the filename.",
             path, previous.path,
         )  # fmt: skip
         return True

@@ -539,9 +539,26 @@ def _read_base(delta: Path, base_path: Path, crc32: int) -> Container:
     return container
 
 
+def real_file(path: str | Path) -> Path:
+    """The file a link at ``path`` points to (``path`` itself when it is no link).
+
+    A chain is the real file's: its bases lie beside it, and a run resumed through a link
+    (Lightning's ``save_last="link"``, a user's ``latest.ckpt``) extends the file, not the link,
+    which its next save moves. In the link's own folder the folder keeps the spelling it was
+    given, so a base's name stays relative to it; elsewhere it is the resolved path.
+    """
+    path = Path(path)
+    if not path.is_symlink():
+        return path
+    real = path.resolve()
+    if real.parent == path.parent.resolve():
+        return path.parent / real.name
+    return real
+
+
 def chain_files(path: str | Path) -> list[Container]:
-    """The verified files from the chain's keyframe up to ``path``."""
-    files = [read_container(path)]
+    """The verified files from the chain's keyframe up to ``path`` (the file a link points to)."""
+    files = [read_container(real_file(path))]
     seen = {files[0].crc32}
     while files[-1].header["base"] is not None:
         base = files[-1].header["base"]

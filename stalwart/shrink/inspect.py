@@ -99,9 +99,12 @@ def _base_on_disk(base_path: Path, crc32: int) -> tuple[Path | None, str]:
     return None, "which is missing"
 
 
-def _chain_problem(path: Path, folder: Path, known: dict[Path, str | None]) -> str | None:
+def _chain_problem(
+    path: Path, folder: Path, known: dict[Path, str | None], damaged: dict[Path, str]
+) -> str | None:
     """Why ``path`` cannot be restored, found from the headers alone (nothing is decoded):
-    a base on its chain missing or replaced, or bases in a loop; None when nothing stops it.
+    a base on its chain missing, replaced, torn or corrupt (``damaged``: the listed files that
+    did not read, by resolved path), or bases in a loop; None when nothing stops it.
     ``known`` holds the answers for files already walked: a chain is shared by its files."""
     walked: list[Path] = []
     crcs = {trailer_crc(path)}
@@ -114,6 +117,9 @@ def _chain_problem(path: Path, folder: Path, known: dict[Path, str | None]) -> s
             break
         base_path = current.parent / base["file"]
         found, wrong = _base_on_disk(base_path, base["crc32"])
+        unread = damaged.get((found or base_path).resolve())
+        if unread is not None:  # a torn file has no trailer: it was not "replaced"
+            found, wrong = None, f"which is {unread}"
         if found is None:
             problem = f"its chain needs {_shown(base_path, folder)}, {wrong}"
             break
@@ -145,15 +151,22 @@ def inspect(args: argparse.Namespace) -> None:
         folder, files = target.parent, [target]
     else:
         raise ConfigurationError(f"{target} does not exist; pass a shrunken file or its directory")
-    files = [p for p in files if is_shrunk_file(p)]
+    shrunk = [p for p in files if is_shrunk_file(p)]
+    others = len(files) - len(shrunk)
+    files = shrunk
     if not files:
         raise ConfigurationError(f"no shrunken checkpoints in {target}")
-    known: dict[Path, str | None] = {}
-    rows = [_row(path, folder, known) for path in files]
+    rows = _rows(files, folder)
     links = [(link, file) for link, file in links if file in files]
     _print_rows(rows)
     for link, file in links:
         print(f"{_shown(link, folder)} -> {_shown(file, folder)} (a link, counted once)")
+    if others:
+        # Said, not silently dropped: a plain checkpoint beside the chain is not in this listing.
+        print(
+            f"{others} other file(s) in {folder} are no shrunken checkpoints (plain checkpoints, "
+            "logs): not listed"
+        )
     _print_totals(rows, folder)
     broken = [row for row in rows if row["problem"] is not None]
     if broken:
@@ -164,12 +177,51 @@ def inspect(args: argparse.Namespace) -> None:
         )
 
 
-def _row(path: Path, folder: Path, known: dict[Path, str | None]) -> dict:
-    """``describe(path)`` as the listing of ``folder`` shows it: names relative to the folder,
-    the base named as the file restore reads it from, and what stops a restore (if anything)."""
-    row = describe(path)
+def _rows(files: list[Path], folder: Path) -> list[dict]:
+    """The listing's rows. A file that does not read (torn by a full disk or an interrupted
+    copy, corrupted) is a row of its own, marked, and a problem for the deltas on it: the
+    others are still listed, since they are what the user can restore from."""
+    described: dict[Path, dict] = {}
+    damaged: dict[Path, str] = {}
+    for path in files:
+        try:
+            described[path] = describe(path)
+        except CorruptCheckpointError as exc:
+            damaged[path.resolve()] = _damage(path, exc)
+    known: dict[Path, str | None] = {}
+    return [
+        _row(path, described[path], folder, known, damaged)
+        if path in described
+        else _unreadable_row(path, folder, damaged[path.resolve()])
+        for path in files
+    ]
+
+
+def _damage(path: Path, error: CorruptCheckpointError) -> str:
+    """What is wrong with a file that does not read, in the listing's words (the error's own
+    advice sends the reader to this very listing)."""
+    if trailer_crc(path) is None:
+        return "torn (cut short before its trailer, e.g. by a full disk or an interrupted copy)"
+    return f"unreadable ({error})"
+
+
+def _unreadable_row(path: Path, folder: Path, damage: str) -> dict:
+    kind = "torn" if damage.startswith("torn") else "corrupt"
+    return {"file": _shown(path, folder), "kind": kind, "base": None, "problem": f"it is {damage}"}
+
+
+def _row(
+    path: Path,
+    row: dict,
+    folder: Path,
+    known: dict[Path, str | None],
+    damaged: dict[Path, str],
+) -> dict:
+    """``describe(path)`` (``row``) as the listing of ``folder`` shows it: names relative to
+    the folder, the base named as the file restore reads it from, and what stops a restore (if
+    anything)."""
     row["file"] = _shown(path, folder)
-    row["problem"] = _chain_problem(path, folder, known)
+    row["problem"] = _chain_problem(path, folder, known, damaged)
     row["base_superseded"] = False
     if row["base_path"] is not None:
         # The recorded path may hold a later checkpoint (last.ckpt written again): the base is
@@ -189,6 +241,9 @@ def _print_rows(rows: list[dict]) -> None:
         f"{'total':>7} {'degr.':>7} {'bound':>6} {'cont.':>7}  weights config | optimizer moments"
     )
     for row in rows:
+        if "bytes" not in row:  # a file that does not read: nothing more is known of it
+            print(f"{row['file']:{file_width}} {row['kind'] + '!':8} -")
+            continue
         degradation = "-" if row["degradation"] is None else f"{row['degradation']:+.3f}"
         if row["degradation_on"] == "screen":
             degradation += "*"
@@ -230,9 +285,9 @@ def _print_totals(rows: list[dict], folder: Path) -> None:
         "continuation from the stored optimizer state vs the exact state (reused: the last "
         "check's setting, within tau / 4 there)"
     )
-    if any(row["degradation_on"] == "screen" for row in rows):
+    if any(row.get("degradation_on") == "screen" for row in rows):
         print("* degradation measured on the screen (accepted within its margin), not confirmed")
-    if any(row["base_superseded"] for row in rows):
+    if any(row.get("base_superseded") for row in rows):
         print(
             ".<name>.superseded-<crc>: a base kept aside when its path was written again; the "
             "files on it still need it: copy the folder with its hidden files (cp -a DIR/. "

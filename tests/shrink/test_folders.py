@@ -57,6 +57,9 @@ def test_a_folder_per_checkpoint_with_save_top_k_leaves_the_kept_file_restorable
     shrink.load(callback.best_model_path)
     warned = [r for r in caplog.records if "starts a new keyframe" in r.getMessage()]
     assert [r.levelno for r in warned] == [logging.WARNING, logging.INFO]  # loudly once
+    # The advice covers both ways into a new folder: a '/' in the filename, a new dirpath.
+    assert "resume into the same dirpath" in warned[0].getMessage()
+    assert "no '/' in the filename" in warned[0].getMessage()
 
 
 def test_io_plugin_saves_by_hand_into_another_folder_break_nothing(tmp_path):
@@ -147,3 +150,68 @@ def test_restore_of_a_folder_is_one_clear_error(tmp_path, capsys):
     error = capsys.readouterr().err
     assert "is a folder" in error and "stalwart shrink inspect" in error
     assert "Traceback" not in error and not (tmp_path / "out.pt").exists()
+
+
+def test_a_chain_resumed_through_a_link_into_another_folder_is_read_there(tmp_path):
+    # b/latest.shrunk -> ../a/1.shrunk: its base is beside the file, in a/, not beside the link;
+    # and the chain continues from a/, so a save into b/ starts a keyframe, one into a/ a delta.
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _chain(tmp_path / "a", ["0.shrunk", "1.shrunk"])
+    (tmp_path / "b" / "latest.shrunk").symlink_to("../a/1.shrunk")
+    writer = ChainWriter(config=QuantConfig(bins=16), compress_optimizer="lossless")
+    weights, _ = writer.load(tmp_path / "b" / "latest.shrunk")
+    assert torch.equal(weights["w"], shrink.load(tmp_path / "a" / "1.shrunk")["w"])
+    assert writer.save(_weights(2), None, tmp_path / "b" / "2.shrunk").kind == "keyframe"
+    writer.load(tmp_path / "b" / "latest.shrunk")
+    assert writer.save(_weights(3), None, tmp_path / "a" / "3.shrunk").kind == "delta"
+    (tmp_path / "b" / "latest.shrunk").unlink()
+    (tmp_path / "b" / "latest.shrunk").symlink_to("../a/3.shrunk")  # the link moves on
+    assert len(_every_file_restores(tmp_path / "a")) == 3
+
+
+def _tear(path):
+    """Cut ``path`` in half, as a full disk or an interrupted copy leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_inspect_lists_the_good_files_beside_a_torn_one(tmp_path, capsys):
+    _chain(tmp_path, ["a.shrunk", "b.shrunk", "c.shrunk", "d.shrunk"])
+    _tear(tmp_path / "d.shrunk")
+    assert main(["shrink", "inspect", str(tmp_path)]) == 2
+    said = capsys.readouterr()
+    kinds = {cells[0]: cells[1] for cells in map(str.split, said.out.splitlines()) if cells}
+    assert [kinds[name] for name in ("a.shrunk", "b.shrunk", "c.shrunk", "d.shrunk")] == [
+        "keyframe",
+        "delta",
+        "delta",
+        "torn!",
+    ]
+    assert "! d.shrunk cannot be restored: it is torn" in said.out
+    assert "4 checkpoint(s) (1 cannot be restored, left out of the totals)" in said.out
+    assert "d.shrunk" in said.err and "Traceback" not in said.err
+
+
+def test_inspect_marks_the_deltas_on_a_torn_base(tmp_path, capsys):
+    _chain(tmp_path, ["a.shrunk", "b.shrunk", "c.shrunk"])
+    _tear(tmp_path / "b.shrunk")
+    assert main(["shrink", "inspect", str(tmp_path)]) == 2
+    said = capsys.readouterr().out
+    kinds = {cells[0]: cells[1] for cells in map(str.split, said.splitlines()) if cells}
+    assert (kinds["a.shrunk"], kinds["b.shrunk"], kinds["c.shrunk"]) == (
+        "keyframe",
+        "torn!",
+        "delta!",
+    )
+    assert "! c.shrunk cannot be restored: its chain needs b.shrunk, which is torn" in said
+
+
+def test_inspect_says_how_many_other_files_it_left_out(tmp_path, capsys):
+    _chain(tmp_path, ["a.shrunk"])
+    torch.save(_weights(1), tmp_path / "plain.ckpt")  # e.g. a plain ModelCheckpoint's file
+    assert main(["shrink", "inspect", str(tmp_path)]) == 0
+    assert "1 other file(s) in" in capsys.readouterr().out
+    (tmp_path / "plain.ckpt").unlink()
+    assert main(["shrink", "inspect", str(tmp_path)]) == 0
+    assert "other file(s)" not in capsys.readouterr().out

@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import stalwart.shrink as shrink
 from stalwart import ShrinkCheckpoint
+from stalwart.cli import main
 from stalwart.plugins import ShrinkCheckpointIO
 from stalwart.shrink.chain import RETIRED_FILE, ChainWriter
 from stalwart.shrink.container import is_shrunk_file, read_header
@@ -90,6 +91,21 @@ def test_save_last_link_still_links_to_the_newest_file(tmp_path):
         "epoch=2-",
     ]  # last.ckpt is linked, never written
     _assert_every_file_restorable(tmp_path)
+
+
+def test_a_run_resumed_through_the_last_link_extends_the_file_it_points_to(tmp_path, capsys):
+    # last.ckpt is a link that each save moves on: a delta on the link itself broke at the
+    # next save, and with it every checkpoint written after the resume.
+    _fit(ShrinkCheckpoint(dirpath=tmp_path, save_last="link"), epochs=2)
+    resumed = ShrinkCheckpoint(dirpath=tmp_path, save_last="link")
+    _fit(resumed, epochs=4, ckpt_path="last")
+    assert [report.kind for report in resumed.reports] == ["delta", "delta"]
+    assert "epoch=1-" in resumed.reports[0].base
+    assert "last.ckpt" not in _bases(tmp_path).values()
+    assert (tmp_path / "last.ckpt").resolve().name.startswith("epoch=3-")
+    _assert_every_file_restorable(tmp_path)
+    assert main(["shrink", "inspect", str(tmp_path)]) == 0
+    capsys.readouterr()
 
 
 def test_model_checkpoint_save_last_through_the_io_plugin_sets_one_base_aside(tmp_path):
