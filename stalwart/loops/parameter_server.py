@@ -188,10 +188,11 @@ def _warn_about_uncalled_hooks(model: L.LightningModule, lr: float) -> None:
     if not uncalled:
         return
     if "configure_optimizers" in uncalled:
-        returned = _describe_optimizers(model)
+        # Named only, never called: the hook may have side effects (freezing a backbone for
+        # fine-tuning, building layers) that would change what the PS run trains.
         uncalled[uncalled.index("configure_optimizers")] = (
-            f"configure_optimizers ({f'it returns {returned}; ' if returned else ''}the parameter "
-            f"server applies plain SGD at lr={lr:g}, PSConfig.lr, instead)"
+            f"configure_optimizers (the parameter server applies plain SGD at lr={lr:g}, "
+            "PSConfig.lr, to every parameter instead)"
         )
     warnings.warn(
         f"ParameterServerTrainer does not call these hooks of {type(model).__name__}: "
@@ -200,33 +201,6 @@ def _warn_about_uncalled_hooks(model: L.LightningModule, lr: float) -> None:
         "during the run, pass metric=.",
         stacklevel=4,
     )
-
-
-def _describe_optimizers(model: L.LightningModule) -> str:
-    """What ``configure_optimizers`` returns, e.g. ``"AdamW(lr=0.001), StepLR"``; "" if it
-    cannot be called here (it may need ``self.trainer``, which a PS run does not have)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            returned = model.configure_optimizers()
-    except Exception:  # noqa: BLE001 - only a description is at stake
-        return ""
-    names: list[str] = []
-
-    def visit(item: Any) -> None:
-        if isinstance(item, torch.optim.Optimizer):
-            names.append(f"{type(item).__name__}(lr={item.defaults.get('lr')})")
-        elif isinstance(item, Mapping):
-            for key in ("optimizer", "lr_scheduler", "scheduler"):
-                visit(item.get(key))
-        elif isinstance(item, (list, tuple)):
-            for element in item:
-                visit(element)
-        elif item is not None and hasattr(item, "optimizer") and hasattr(item, "step"):
-            names.append(type(item).__name__)  # a learning-rate scheduler
-
-    visit(returned)
-    return ", ".join(names)
 
 
 def _warn_about_precision(model: L.LightningModule) -> None:

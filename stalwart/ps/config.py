@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import asdict, dataclass, field
 
 from stalwart.errors import ConfigurationError
@@ -108,6 +109,7 @@ class PSConfig:
         """Raise :class:`ConfigurationError` with what to change if the run cannot work."""
         if self.mode not in MODES:
             raise ConfigurationError(f"mode {self.mode!r}: choose one of {', '.join(MODES)}.")
+        self._validate_types()
         for name in ("lr", "duration", "store_patience"):
             # NaN passes every comparison below unnoticed (lr=nan trained NaN weights) and an
             # infinite duration or patience never ends.
@@ -130,7 +132,26 @@ class PSConfig:
             raise ConfigurationError(f"duration {self.duration}: must be >= 0 seconds.")
         if self.store_patience <= 0:
             raise ConfigurationError("store_patience must be positive (seconds).")
+        if self.backlog_threshold < 0:
+            raise ConfigurationError(
+                f"backlog_threshold={self.backlog_threshold}: must be >= 0 gradients (0 means "
+                "2 * workers); a negative one would count every asynchronous apply as a backlog."
+            )
         self._validate_kills()
+
+    def _validate_types(self) -> None:
+        """Counts must be whole numbers and rates real numbers (not bools, not strings): a
+        count of 2.5 steps or lr=True trained without a word, lr="0.1" failed with a TypeError."""
+        for name in COUNT_FIELDS:
+            _require_count(name, getattr(self, name))
+        for name in ("lr", "duration", "store_patience"):
+            _require_real(name, getattr(self, name))
+        for event in self.kills:
+            if event.at_gradient is not None:
+                _require_count(f"{event}: at_gradient", event.at_gradient)
+            for name in ("downtime", "at_seconds"):
+                if getattr(event, name) is not None:
+                    _require_real(f"{event}: {name}", getattr(event, name))
 
     def _validate_kills(self) -> None:
         by_time = [event.at_seconds is not None for event in self.kills]
@@ -214,3 +235,20 @@ class PSConfig:
             for k in data["kills"]
         ]
         return cls(**data)
+
+
+#: The PSConfig fields that count something: whole numbers only.
+COUNT_FIELDS = (
+    "workers", "steps", "batch_size", "hidden", "checkpoint_every", "replicate_every",
+    "replicas", "backlog_threshold", "seed",
+)  # fmt: skip
+
+
+def _require_count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigurationError(f"{name}={value!r}: must be a finite whole number (an int).")
+
+
+def _require_real(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigurationError(f"{name}={value!r}: must be a number (an int or a float).")

@@ -82,6 +82,22 @@ def kill_schedule(mode: str, kills: int, downtime: float, seconds: float) -> lis
     ]
 
 
+def _make_out(out: str) -> None:
+    """Create the output folder (new or empty) before the first run, so a path that cannot be
+    one (under a file, not writable) fails with its reason instead of failing every run."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise RunDirectoryError(f"--out {out} is a file; choose a new directory.")
+    if os.path.isdir(out) and os.listdir(out):
+        raise RunDirectoryError(f"{out} is not empty; choose a new --out directory.")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as error:
+        raise RunDirectoryError(
+            f"--out {out} cannot be created ({error.strerror or error}); choose a directory "
+            "whose parent folders exist or can be created and are writable."
+        ) from error
+
+
 def run(args: argparse.Namespace) -> None:
     """Run the experiment and write the plot and the table."""
     modes, kill_counts = _check_options(args)
@@ -92,10 +108,6 @@ def run(args: argparse.Namespace) -> None:
     hidden = 128 if args.quick else 512
     lr = args.lr if args.lr is not None else (QUICK_LR if args.quick else EXPERIMENT_LR)
     out = os.path.abspath(args.out)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise RunDirectoryError(f"--out {out} is a file; choose a new directory.")
-    if os.path.isdir(out) and os.listdir(out):
-        raise RunDirectoryError(f"{out} is not empty; choose a new --out directory.")
     configs = []
     # Interleaved (repeat, kills, mode): a change in the host's load hits every mode alike.
     for seed in range(args.repeats):
@@ -111,6 +123,7 @@ def run(args: argparse.Namespace) -> None:
                 configs.append(config)
     if args.store is not None:
         _check_store(args.store)
+    _make_out(out)
     started = time.time()
     results, failures = _run_all(configs)
     print(f"experiment: {len(results)} runs in {time.time() - started:.0f}s")
@@ -119,7 +132,6 @@ def run(args: argparse.Namespace) -> None:
     summary = format_ratios(ratios, args.target)
     print(table)
     print(summary)
-    os.makedirs(out, exist_ok=True)  # the runs made it, unless none was asked for
     durable.write_text(os.path.join(out, "table.md"), table + "\n\n" + summary + "\n")
     runs = [_to_json(r, args.target) for r in results]
     durable.write_text(
@@ -237,13 +249,18 @@ def time_to_target_ratios(results: list[PSRunResult], target: float) -> dict:
                             "all_reached": all(ok for _, ok in runs.values())}
         for (mode, kills), runs in sorted(reach.items())
     }  # fmt: skip
-    pairs = {}
+    pairs: dict[str, dict] = {}
+    left_out: dict[str, str] = {}
     for kills in sorted({k for _, k in reach}):
         for slow, fast in PAIRS:
-            entry = _ratio(reach.get((slow, kills), {}), reach.get((fast, kills), {}))
-            if entry is not None:
-                pairs[f"{slow} / {fast}, {kills} kill(s)"] = entry
-    delays, delay_bounds = _kill_delays(reach)
+            name = f"{slow} / {fast}, {kills} kill(s)"
+            slow_runs, fast_runs = reach.get((slow, kills), {}), reach.get((fast, kills), {})
+            reason = _left_out_reason(slow_runs, fast_runs)
+            if reason:
+                left_out[name] = reason
+            elif set(slow_runs) & set(fast_runs):
+                pairs[name] = _ratio(slow_runs, fast_runs)
+    delays, delay_bounds = _kill_delays(reach, left_out)
     early = [
         f"{r.config.mode}, {len(r.kills)} kill(s), seed {r.config.seed}"
         for r in results
@@ -251,22 +268,20 @@ def time_to_target_ratios(results: list[PSRunResult], target: float) -> dict:
     ]
     return {
         "target": target, "time_to_target": times, "ratios": pairs, "delay_s": delays,
-        "delay_bounds": delay_bounds, "reached_before_last_kill": early,
+        "delay_bounds": delay_bounds, "reached_before_last_kill": early, "left_out": left_out,
     }  # fmt: skip
 
 
-def _ratio(slow: dict[int, tuple[float, bool]], fast: dict[int, tuple[float, bool]]) -> dict | None:
-    """The per-seed ratios of two modes' times to the target and their median, or None.
+def _ratio(slow: dict[int, tuple[float, bool]], fast: dict[int, tuple[float, bool]]) -> dict:
+    """The per-seed ratios of two modes' times to the target and their median, over the seeds
+    where one of them reached it (:func:`_left_out_reason` says when there is none).
 
     A run that never reached the target counts as its whole duration: a seed where only the
     slower mode missed gives a lower bound of its ratio (``>=``), one where only the faster mode
-    missed an upper bound (``<=``). A seed where both missed says nothing (a ratio of two
-    durations) and is left out, as is a median over seeds whose bounds point both ways.
+    missed an upper bound (``<=``).
     """
     seeds = [s for s in sorted(set(slow) & set(fast)) if slow[s][1] or fast[s][1]]
     marks = {">=" if not slow[s][1] else "<=" for s in seeds if not (slow[s][1] and fast[s][1])}
-    if not seeds or len(marks) > 1:
-        return None
     bound = marks.pop() if marks else ""
     return {
         "median": _median([slow[s][0] / fast[s][0] for s in seeds]),
@@ -274,6 +289,22 @@ def _ratio(slow: dict[int, tuple[float, bool]], fast: dict[int, tuple[float, boo
         "bound": bound,
         "lower_bound": bound == ">=",
     }
+
+
+def _left_out_reason(
+    first: dict[int, tuple[float, bool]], second: dict[int, tuple[float, bool]]
+) -> str:
+    """Why two modes' times to the target cannot be compared ("" if they can, or if no seed
+    ran both): in every seed both missed it (a ratio or difference of two durations says
+    nothing), or the seeds' bounds point both ways (no median of them is a bound either way)."""
+    common = sorted(set(first) & set(second))
+    seeds = [s for s in common if first[s][1] or second[s][1]]
+    if common and not seeds:
+        return "neither run reached the target"
+    marks = {first[s][1] for s in seeds if first[s][1] != second[s][1]}
+    if len(marks) > 1:
+        return "the seeds where one run missed the target give bounds pointing both ways"
+    return ""
 
 
 def _score(accuracy: float | None) -> str:
@@ -285,55 +316,56 @@ def _median(values: list[float]) -> float:
 
 
 def _kill_delays(
-    reach: dict[tuple[str, int], dict[int, tuple[float, bool]]],
+    reach: dict[tuple[str, int], dict[int, tuple[float, bool]]], left_out: dict[str, str]
 ) -> tuple[dict[str, float], dict[str, str]]:
     """Each mode's delay to the target caused by its kills (time with k kills minus without,
-    median over seeds), and the marks of those that are bounds.
+    median over seeds), and the marks of those that are bounds; ``left_out`` gets the reason
+    for each delay that cannot be given (:func:`_left_out_reason`).
 
     A run that never reached the target counts as its whole duration: a seed whose killed run
     missed it gives a lower bound (``>=``), one whose failure-free run missed it an upper bound
-    (``<=``). A seed where both missed says nothing (the difference of two durations) and is
-    left out, as is a median over seeds whose bounds point both ways.
+    (``<=``).
     """
     delays: dict[str, float] = {}
     bounds: dict[str, str] = {}
     for (mode, kills), runs in sorted(reach.items()):
         base = reach.get((mode, 0), {})
         seeds = [s for s in sorted(set(runs) & set(base)) if runs[s][1] or base[s][1]]
-        if not kills or not seeds:
+        name = f"{mode} {kills}"
+        reason = _left_out_reason(runs, base) if kills else ""
+        if reason:
+            left_out[f"delay of {name} kill(s)"] = reason
+        if not kills or reason or not seeds:
             continue
         marks = {">=" if not runs[s][1] else "<=" for s in seeds if not (runs[s][1] and base[s][1])}
-        if len(marks) > 1:
-            continue
-        name = f"{mode} {kills}"
         delays[name] = _median([runs[s][0] - base[s][0] for s in seeds])
         if marks:
             bounds[name] = marks.pop()
     return delays, bounds
 
 
+def format_target(target: float) -> str:
+    """The target as asked, e.g. ``99.9%`` (``:.0%`` printed 0.999 as 100%)."""
+    return f"{target * 100:g}%"
+
+
 def format_ratios(ratios: dict, target: float) -> str:
     """The side-by-side ratios as text (> 1: checkpointing needs more time to the target)."""
-    lines = [f"time to {target:.0%} test accuracy, ratio slower / faster (median over seeds):"]
+    lines = [
+        f"time to {format_target(target)} test accuracy, ratio slower / faster (median over seeds):"
+    ]
     for name, entry in ratios["ratios"].items():
         bound = entry.get("bound", ">=" if entry["lower_bound"] else "")
         runs = ", ".join(f"{v:.2f}" for v in entry["runs"])
         lines.append(f"  {name:<45} {bound}{entry['median']:.2f}  (per seed: {runs})")
+    if not ratios["ratios"]:
+        lines.append("  none could be computed (see the ones left out below)")
     if ratios["delay_s"]:
-        bounds = ratios.get("delay_bounds", {})
-        lines.append(
-            "delay to the target caused by the kills (s, vs the same mode without"
-            + (
-                "; >= or <=: a run that never reached it counts its whole duration"
-                if bounds
-                else ""
-            )
-            + "):"
-        )
-        lines += [
-            f"  {name:<22} {bounds[name] + ' ' if name in bounds else ''}{delay:+.1f}"
-            for name, delay in ratios["delay_s"].items()
-        ]
+        lines += _format_delays(ratios["delay_s"], ratios.get("delay_bounds", {}))
+    left_out = ratios.get("left_out", {})
+    if left_out:
+        lines.append("left out (no number can be given):")
+        lines += [f"  {name:<45} {reason}" for name, reason in left_out.items()]
     if ratios["reached_before_last_kill"]:
         lines.append(
             "NOTE: these runs reached the target before their last kill (schedule the kills "
@@ -341,6 +373,23 @@ def format_ratios(ratios: dict, target: float) -> str:
             + "; ".join(ratios["reached_before_last_kill"])
         )
     return "\n".join(lines)
+
+
+def _format_delays(delays: dict[str, float], bounds: dict[str, str]) -> list[str]:
+    legend = ""
+    if bounds:
+        legend = "; >= or <=: a run that never reached it counts its whole duration"
+    if "<=" in bounds.values():
+        legend += (
+            " (<= means the failure-free run missed it: a negative bound says the killed run "
+            "reached it before the failure-free run ended)"
+        )
+    lines = [f"delay to the target caused by the kills (s, vs the same mode without{legend}):"]
+    lines += [
+        f"  {name:<22} {bounds[name] + ' ' if name in bounds else ''}{delay:+.1f}"
+        for name, delay in delays.items()
+    ]
+    return lines
 
 
 def _to_json(result: PSRunResult, target: float) -> dict:
@@ -356,7 +405,7 @@ def format_table(results: list[PSRunResult], target: float) -> str:
         "| mode | kills | seed | produced | applied | lost | produced while down "
         "| updates | largest backlog (gradients / workers) "
         "| worker idle s | worker CPU util | server CPU s | peak RSS PS / worker MB "
-        f"| t to {target:.0%} s | final acc |"
+        f"| t to {format_target(target)} s | final acc |"
     )
     lines = [header, "|" + "---|" * 15]
     for r in results:

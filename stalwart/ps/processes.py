@@ -32,6 +32,28 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(stalwart.__file__
 STORE_START_LIMIT = 60.0
 
 
+def describe_exit(code: int) -> str:
+    """How a child process ended, for an error: ``"exit code 1"``, or for a negative code
+    (Popen's way to say a signal ended it) the signal's name: nothing in the run sends a signal
+    to a process it did not mean to kill, so the signal came from outside."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = "; the out-of-memory killer sends it" if name == "SIGKILL" else ""
+    return f"killed by {name} from outside the run{hint}"
+
+
+def describe_log(log_path: str, tail: str) -> str:
+    """The last lines of a child's log under its path, or that it is empty (a process killed by
+    a signal often writes nothing)."""
+    if not tail.strip():
+        return f"its log {log_path} is empty"
+    return f"last lines of {log_path}:\n{tail.rstrip()}"
+
+
 def spawn(role: str, *args: str, log_path: str) -> subprocess.Popen:
     """Start ``python -m stalwart.ps.launch role *args`` whose output goes to ``log_path``."""
     python_path = [PACKAGE_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
@@ -133,8 +155,11 @@ class ProcessSupervisor:
         deadline = time.time() + limit
         while not condition():
             if not self.alive(pid):
+                proc = self.procs[pid]
                 raise StalwartError(
-                    f"process {pid} died while waiting for {what}:\n{self.log_tail(pid)}"
+                    f"process {pid} died while waiting for {what} "
+                    f"({describe_exit(proc.exit_code)}); "
+                    f"{describe_log(proc.log_path, self.log_tail(pid))}"
                 )
             if time.time() > deadline:
                 raise StalwartError(f"timed out waiting for {what}")

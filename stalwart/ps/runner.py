@@ -30,7 +30,7 @@ from stalwart.ps import layout
 from stalwart.ps.audit import audit, read_reports
 from stalwart.ps.config import KillEvent, PSConfig
 from stalwart.ps.failure import FailureInjector
-from stalwart.ps.processes import ChildProcess, ProcessSupervisor
+from stalwart.ps.processes import ChildProcess, ProcessSupervisor, describe_exit, describe_log
 from stalwart.ps.resources import usage
 from stalwart.ps.result import PSRunResult
 from stalwart.ps.servers import ServerFleet
@@ -281,12 +281,16 @@ class PSRun:
         # The others may still be training (or waiting for the dead one): stop them; the
         # supervisor kills whatever is left on the way out.
         self.store.set(layout.HALT, b"1")
-        names = ", ".join(
-            f"worker {self.worker_pids.index(p)} (exit code {self.procs[p].exit_code})"
+        reports = [
+            (
+                f"worker {self.worker_pids.index(p)}",
+                self.procs[p].exit_code,
+                self.procs[p].log_path,
+                self.supervisor.log_tail(p),
+            )
             for p in failed
-        )
-        tail = self.supervisor.log_tail(failed[0])
-        raise StalwartError(f"worker process(es) failed: {names}:\n{tail}")
+        ]
+        raise StalwartError(worker_failure_message(reports))
 
     def _store_lost(self, cause: StoreUnavailableError | None) -> None:
         """The store vanished: let the workers finish retrying, keep the last committed weights."""
@@ -312,6 +316,14 @@ class PSRun:
             f"and reported {errors}. The last committed weights ({last_key}) are saved in "
             f"{saved}; restart the store and the run."
         )
+
+
+def worker_failure_message(failed: list[tuple[str, int, str, str]]) -> str:
+    """The error for workers that failed, each given as (name, exit code, log path, log tail):
+    every one named with how it ended, then each one's log (or that it is empty)."""
+    names = ", ".join(f"{name} ({describe_exit(code)})" for name, code, _, _ in failed)
+    logs = "\n".join(f"{name}: {describe_log(path, tail)}" for name, _, path, tail in failed)
+    return f"worker process(es) failed: {names}.\n{logs}"
 
 
 def report_unfired(

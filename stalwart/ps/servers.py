@@ -17,7 +17,7 @@ from stalwart.errors import StalwartError
 from stalwart.ps import layout
 from stalwart.ps.config import PSConfig
 from stalwart.ps.failure import Kill
-from stalwart.ps.processes import ProcessSupervisor
+from stalwart.ps.processes import ProcessSupervisor, describe_exit, describe_log
 from stalwart.ps.store import KeyValueStore
 
 #: Seconds past a kill's downtime within which some server must have recovered and committed.
@@ -147,8 +147,9 @@ class ServerFleet:
             proc = self.supervisor.procs[pid]
             if proc.exit_code is not None and pid not in killed:
                 raise StalwartError(
-                    f"a {proc.role} process exited unexpectedly ({proc.exit_code}):\n"
-                    f"{self.supervisor.log_tail(pid)}"
+                    f"a {proc.role} process exited unexpectedly "
+                    f"({describe_exit(proc.exit_code)}); "
+                    f"{describe_log(proc.log_path, self.supervisor.log_tail(pid))}"
                 )
 
     def check_recovery(self, kills: list[Kill], now: float) -> None:

@@ -7,7 +7,7 @@ import json
 
 from stalwart.cli import main
 from stalwart.ps.config import PSConfig
-from stalwart.ps.experiment import format_ratios, time_to_target_ratios
+from stalwart.ps.experiment import format_ratios, format_table, time_to_target_ratios
 from stalwart.ps.result import PSRunResult
 
 
@@ -115,3 +115,41 @@ def test_a_ratio_is_a_bound_only_the_way_its_missed_runs_point():
     assert upper["bound"] == "<=" and not upper["lower_bound"] and upper["runs"] == [0.667]
     assert "checkpoint-async / stateless, 2 kill(s)" not in ratios["ratios"]
     assert "<=0.67" in format_ratios(ratios, 0.9)
+
+
+def test_an_out_folder_that_cannot_be_created_fails_before_any_run(tmp_path, capsys):
+    # Under a file: every run failed, then a raw NotADirectoryError traceback.
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "afile" / "sub"
+    code = main(
+        ["ps-experiment", "--quick", "--kills", "0", "--modes", "stateless", "--out", str(out)]
+    )
+    assert code == 2
+    captured = capsys.readouterr()
+    assert f"--out {out} cannot be created" in captured.err
+    assert "[1/" not in captured.out
+
+
+def test_a_target_nobody_reaches_is_printed_as_asked_and_the_left_out_pairs_say_why():
+    # --target 0.999 printed as "100%", and pairs both runs missed vanished: only a header.
+    results = [_result(m, k, None) for m in ("checkpoint-sync", "stateless") for k in (0, 1)]
+    ratios = time_to_target_ratios(results, 0.999)
+    text = format_ratios(ratios, 0.999)
+    assert "time to 99.9% test accuracy" in text and "100%" not in text
+    assert "none could be computed" in text
+    assert "checkpoint-sync / stateless, 1 kill(s)" in text
+    assert "delay of stateless 1 kill(s)" in text and "neither run reached the target" in text
+    assert "| t to 99.9% s |" in format_table(results, 0.999)
+
+
+def test_bounds_pointing_both_ways_are_named_and_a_negative_upper_bound_is_explained():
+    both_ways = [
+        _result("checkpoint-sync", 0, None, seed=0), _result("stateless", 0, 3.0, seed=0),
+        _result("checkpoint-sync", 0, 3.0, seed=1), _result("stateless", 0, None, seed=1),
+    ]  # fmt: skip
+    text = format_ratios(time_to_target_ratios(both_ways, 0.9), 0.9)
+    assert "checkpoint-sync / stateless, 0 kill(s)" in text and "pointing both ways" in text
+    # The failure-free run missed (20 s), the killed one reached at 5 s: "<= -15.0".
+    missed_base = [_result("stateless", 0, None), _result("stateless", 1, 5.0)]
+    text = format_ratios(time_to_target_ratios(missed_base, 0.9), 0.9)
+    assert "<= -15.0" in text and "<= means the failure-free run missed it" in text

@@ -16,6 +16,8 @@ from stalwart import ParameterServerTrainer
 from stalwart.errors import StalwartError
 from stalwart.flat import flatten
 from stalwart.ps import KillEvent
+from stalwart.ps.processes import describe_exit, describe_log
+from stalwart.ps.runner import worker_failure_message
 
 X = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
 Y = (X[:, 0] > 0).long()
@@ -77,3 +79,21 @@ def test_a_timed_kill_a_steps_bound_run_ends_before_keeps_the_result(tmp_path):
     assert torch.equal(flatten(model.parameters()), result.weights)
     assert not torch.equal(initial, result.weights)
     assert _ps_children() == []
+
+
+def test_failure_messages_name_the_signal_every_failed_worker_and_the_logs():
+    """A worker killed from outside (exit code -9) left the message empty after the colon."""
+    message = worker_failure_message(
+        [
+            ("worker 1", -9, "/run/worker-1.log", ""),
+            ("worker 2", 1, "/run/worker-2.log", "Traceback\nRuntimeError: bug in worker 2\n"),
+        ]
+    )
+    assert "worker 1 (killed by SIGKILL from outside the run; the out-of-memory killer" in message
+    assert "worker 2 (exit code 1)" in message
+    assert "worker 1: its log /run/worker-1.log is empty" in message
+    assert "worker 2: last lines of /run/worker-2.log:\nTraceback" in message
+    assert message.endswith("RuntimeError: bug in worker 2")
+    assert describe_exit(-15) == "killed by SIGTERM from outside the run"
+    assert describe_exit(3) == "exit code 3"
+    assert describe_log("/run/ps.log", " \n") == "its log /run/ps.log is empty"
