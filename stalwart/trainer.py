@@ -5,17 +5,21 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import tempfile
 import warnings
 from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.callbacks import Callback, Checkpoint, Timer
+from lightning.pytorch.callbacks import Callback, Checkpoint, ModelSummary, ProgressBar, Timer
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.compile import to_uncompiled
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -33,11 +37,14 @@ from stalwart.callbacks.replay import BATCH_LEVEL_HOOKS, FunctionProbe, ReplayDr
 from stalwart.callbacks.replay_loggers import lightning_points, write_to_loggers
 from stalwart.errors import ConfigurationError, ReplayError
 from stalwart.hindsight import replay as core
+from stalwart.hindsight.checkpoint_file import verify_checkpoint
 from stalwart.hindsight.estimate import ReplayEstimate
 from stalwart.hindsight.persistent_workers import persistent_workers_cause
 from stalwart.hindsight.plan import Segment
 from stalwart.hindsight.replay import Mismatch, ReplayResult
 from stalwart.hindsight.store import RESUMED_FILE_KEY, CheckpointEntry
+from stalwart.plugins.shrink_io import ShrinkCheckpointIO
+from stalwart.shrink.container import is_shrunk_file
 
 #: Whether ``replay`` logs its plan (dry run) or summary; the CLI prints them itself.
 _ANNOUNCE: ContextVar[bool] = ContextVar("stalwart_replay_announce", default=True)
@@ -58,17 +65,25 @@ class Trainer(L.Trainer):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # Taken before Lightning sees the callbacks: it appends its defaults (ModelCheckpoint,
-        # progress bar, ModelSummary, Timer) to the very list it is given, and a fit leaves its
-        # state in every instance (SWA's averaged model, a progress bar's reference to this
-        # Trainer), so copies of the callbacks as given are what each replay segment starts from.
-        replay_kwargs = {**kwargs, "callbacks": _replay_callbacks(kwargs.get("callbacks"))}
         super().__init__(*args, **kwargs)
         # A replay's fit talks to loggers where this one does (LearningRateMonitor refuses to
-        # run without one), into one that keeps nothing: the replayed values reach the store,
-        # and from it the loggers ``replay(loggers=...)`` names.
-        replay_kwargs["logger"] = [DummyLogger()] if self.loggers else False
+        # run without one), into one that keeps nothing (see _ReplayLogger): the replayed values
+        # reach the store, and from it the loggers ``replay(loggers=...)`` names. The callbacks
+        # are taken from ``self.callbacks`` when first needed (see fit and replay).
+        replay_kwargs = {key: value for key, value in kwargs.items() if key != "callbacks"}
+        replay_kwargs["logger"] = bool(self.loggers)
         self._init_args = (args, replay_kwargs)
+        self._replay_callbacks: _ReplayCallbacks | None = None
+
+    def fit(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's ``fit``; a Trainer that records takes the copies of its callbacks that
+        its replays start from first, while no fit has used them (a fit leaves its state in
+        every instance: SWA's averaged model, a progress bar's reference to this Trainer). The
+        first fit's copies are kept: a second fit's callbacks are used ones."""
+        recording = any(isinstance(c, HindsightCallback) for c in self.callbacks)
+        if recording and self._replay_callbacks is None:
+            self._replay_callbacks = _ReplayCallbacks.of(self.callbacks)
+        return super().fit(*args, **kwargs)
 
     def replay(
         self,
@@ -126,9 +141,14 @@ class Trainer(L.Trainer):
                     "replay(..., dirpath=...)."
                 )
             dirpath = callback.dirpath
+        # A Trainer that never fit (built to replay) has unused callbacks: copied now.
+        callbacks = self._replay_callbacks
+        if callbacks is None:
+            callbacks = _ReplayCallbacks.of(self.callbacks)
+        args, kwargs = self._init_args
         return _replay(
-            self._init_args, dirpath, model, datamodule, probe=probe, run=run,
-            epochs=epochs, workers=workers, init=init, dry_run=dry_run, loggers=loggers,
+            (args, {**kwargs, "callbacks": callbacks}), dirpath, model, datamodule, probe=probe,
+            run=run, epochs=epochs, workers=workers, init=init, dry_run=dry_run, loggers=loggers,
         )  # fmt: skip
 
 
@@ -170,7 +190,7 @@ def _replay(
     _refuse_composer_record(recorded_run)
     # The record's own file (or the one its fit resumed from), checked against its size and
     # CRC-32; loaded in full, as every segment's start is (see _replay_segment).
-    initial = entries[min(entries)].load(weights_only=False)["state_dict"]
+    initial = _load_start(entries[min(entries)])["state_dict"]
     # A torch.compile'd module is checked as the LightningModule inside it: Lightning trains
     # that one (it unwraps the compiled wrapper itself), so its state and hooks are the record's.
     module = uncompiled(model)
@@ -191,7 +211,7 @@ def _replay(
             model, datamodule, probes, driver, entries[segment.resume_from], trainer_args,
             last_batches=last_batches if segment.last_epoch == max(setup.recorded) else None,
             load_in_training_dtype=segment.resume_from in taken,
-            max_epochs=recorded_run.config.get("max_epochs"),
+            run_length=recorded_run.config,
         )  # fmt: skip
 
     outcome = core.run_segments(
@@ -376,46 +396,80 @@ def _logger_instances(loggers: Any) -> list[Logger] | None:
     return instances
 
 
-class _UncopyableCallback:
-    """Stands in for a callback that could not be copied when the Trainer was built."""
-
-    def __init__(self, callback: Callback, error: Exception) -> None:
-        self.callback = callback
-        self.error = error
+#: What a replay leaves out of the Trainer's callbacks: the record and checkpointing (a replay
+#: records nothing of its own), Lightning's display (the replay's Trainer adds its own), and the
+#: time limit (a replay stops where the record says instead; see _replay_segment).
+_NOT_REPLAYED = (HindsightCallback, Checkpoint, ProgressBar, ModelSummary, Timer)
 
 
-def _replay_callbacks(callbacks: Any) -> list[Any]:
-    """Copies, as given, of the callbacks a replay segment runs again.
+@dataclass
+class _ReplayCallbacks:
+    """Copies of the callbacks a replay segment runs again, taken before any fit used them.
 
-    Left out: the record and checkpointing (a replay records nothing of its own). A callback
-    that cannot be copied is named when a replay needs it, not here (a Trainer that never
-    replays must still build).
+    ``copies``: made by one deep copy of the list, so callbacks sharing an object still share
+    one copy of it. ``timed``: whether the Trainer had a time limit (``max_time``, a ``Timer``).
+    ``uncopyable``: the callback that could not be copied and why, named when a replay needs
+    it, not here (a Trainer that never replays must still fit).
     """
-    if callbacks is None:
-        return []
-    given = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
-    kept: list[Any] = []
-    for callback in given:
-        if isinstance(callback, (HindsightCallback, Checkpoint)):
-            continue
+
+    copies: list[Callback]
+    timed: bool
+    uncopyable: tuple[Callback, Exception] | None = None
+
+    @classmethod
+    def of(cls, callbacks: list[Callback]) -> _ReplayCallbacks:
+        kept = [c for c in callbacks if not isinstance(c, _NOT_REPLAYED)]
+        timed = any(isinstance(c, Timer) for c in callbacks)
         try:
-            kept.append(copy.deepcopy(callback))
-        except Exception as error:  # whatever stops a copy is reported at replay
-            kept.append(_UncopyableCallback(callback, error))
-    return kept
+            return cls(copy.deepcopy(kept), timed)
+        except Exception:  # whatever stops a copy is reported at replay
+            pass
+        for callback in kept:  # one at a time, only to name the one that cannot be copied
+            try:
+                copy.deepcopy(callback)
+            except Exception as error:
+                return cls([], timed, (callback, error))
+        return cls([], timed, (kept[0], RuntimeError("the callbacks together cannot be copied")))
 
-
-def _fresh_callbacks(kept: list[Any]) -> list[Callback]:
-    """A segment's own copies of the Trainer's callbacks as given (never ones a fit used)."""
-    for callback in kept:
-        if isinstance(callback, _UncopyableCallback):
+    def fresh(self) -> list[Callback]:
+        """A segment's own copies (never ones a fit used)."""
+        if self.uncopyable is not None:
+            callback, error = self.uncopyable
             raise ConfigurationError(
                 f"replay runs a fresh copy of each of the Trainer's callbacks, and "
-                f"{type(callback.callback).__name__} cannot be copied "
-                f"({type(callback.error).__name__}: {callback.error}). Make it copyable "
+                f"{type(callback).__name__} cannot be copied "
+                f"({type(error).__name__}: {error}). Make it copyable "
                 "(copy.deepcopy), or replay from a Trainer built without it."
             )
-    return copy.deepcopy(kept)
+        return copy.deepcopy(self.copies)
+
+
+class _ReplayLogger(DummyLogger):
+    """The logger of a replay segment whose recorded Trainer had loggers: it keeps nothing, but
+    has a folder of its own (``save_dir`` and ``log_dir``, so ``trainer.log_dir`` too), a name
+    and an integer version, for callbacks that write files there or format them. The folder is
+    a temporary one per segment, never the record's: nothing a replayed callback writes can
+    overwrite the recorded run's files."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self._folder = folder
+
+    @property
+    def name(self) -> str:
+        return "replay"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @property
+    def save_dir(self) -> str:
+        return self._folder
+
+    @property
+    def log_dir(self) -> str:
+        return self._folder
 
 
 def _replay_segment(
@@ -427,49 +481,108 @@ def _replay_segment(
     trainer_args: tuple[tuple, dict],
     last_batches: int | None,
     load_in_training_dtype: bool,
-    max_epochs: int | None = None,
+    run_length: dict[str, Any] | None = None,
 ) -> None:
     """Run one segment: a fit of a copy of ``model`` from ``start`` with the probes and driver.
 
     ``last_batches``: the training batches the record's last epoch ran, for the segment that
     ends with it (else None); ``load_in_training_dtype``: put the module in the precision's dtype
     before the start is loaded (the record's own checkpoints; see :func:`_in_training_dtype`);
-    ``max_epochs``: the recorded fit's ``trainer.max_epochs`` (None: not recorded).
+    ``run_length``: the record's config, for the recorded fit's ``max_epochs``/``max_steps``.
     """
     args, recorded = trainer_args
-    callbacks = _fresh_callbacks(recorded.get("callbacks") or [])
+    # The replay's log folder: its own, removed after the fit (see _ReplayLogger).
+    with tempfile.TemporaryDirectory(prefix="stalwart-replay-") as log_dir:
+        kwargs = _segment_kwargs(recorded, probes, driver, last_batches, run_length or {})
+        kwargs["logger"] = _ReplayLogger(log_dir) if recorded.get("logger") else False
+        if is_shrunk_file(start.path):
+            kwargs = _reading_shrunken_files(kwargs)
+        trainer = L.Trainer(*args, **kwargs)
+        module = training_copy(model)
+        if load_in_training_dtype:
+            module = _in_training_dtype(trainer, module)
+        with warnings.catch_warnings():
+            # The record's checkpoints carry HindsightCallback state this trainer does not need.
+            warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint.*")
+            # weights_only=False: the start is the record's own checkpoint, or the file the
+            # recorded fit resumed from (which that fit loaded itself), and plan() has checked it
+            # against the size and CRC-32 the record holds for it, so it is the file the record
+            # names. Callbacks' state may hold objects a weights-only load refuses
+            # (StochasticWeightAveraging's scheduler keeps a function).
+            trainer.fit(module, detached_copy(datamodule), ckpt_path=start.path, weights_only=False)
+
+
+def _segment_kwargs(
+    recorded: dict[str, Any],
+    probes: list[Callback],
+    driver: ReplayDriver,
+    last_batches: int | None,
+    run_length: dict[str, Any],
+) -> dict[str, Any]:
+    """The Trainer arguments of one segment (its logger aside): the recorded Trainer's, with
+    fresh callbacks, the probes and driver, the record's run length and no time limit."""
+    snapshot: _ReplayCallbacks = recorded["callbacks"]
+    callbacks = snapshot.fresh()
     # No wall-clock limit: a replay (slower, with probes) would reach it elsewhere than the
-    # recorded fit did. The segment ending where the fit stopped requests the stop after the
-    # batch the record's last epoch ended with instead, as the Timer did there.
-    timed = recorded.get("max_time") is not None or any(isinstance(c, Timer) for c in callbacks)
-    callbacks = [c for c in callbacks if not isinstance(c, Timer)]
-    if timed and last_batches:
-        callbacks.append(_StopAfterBatch(driver.segment.last_epoch, last_batches))
-    # The recorded run's length (max_epochs; max_steps is passed on as given), so that code
-    # reading it (trainer.max_epochs, estimated_stepping_batches) sees what the record saw; the
-    # segment stops at its own last epoch's end instead.
+    # recorded fit did. Where it cut the record's last epoch short, the segment ending there
+    # requests the stop after the batch that epoch ended with instead, as the Timer did; a limit
+    # that never fired stops nothing.
     last_epoch = driver.segment.last_epoch
+    if snapshot.timed and last_batches:
+        callbacks.append(_StopAfterBatch(last_epoch, last_batches))
+    # The recorded run's length (max_epochs, max_steps), so that code reading it
+    # (trainer.max_epochs, estimated_stepping_batches) sees what the record saw and a fit that
+    # max_steps stopped stops there again; the segment stops at its own last epoch's end.
     callbacks.append(_StopAtSegmentEnd(last_epoch))
     kwargs = {key: value for key, value in recorded.items() if key != "max_time"}
+    max_epochs = run_length.get("max_epochs")
     kwargs.update(
         callbacks=[*callbacks, *copy.deepcopy(probes), driver],
         max_epochs=max_epochs if max_epochs is not None else last_epoch + 1,
         enable_checkpointing=False,
         num_sanity_val_steps=0,
     )
-    trainer = L.Trainer(*args, **kwargs)
-    module = training_copy(model)
-    if load_in_training_dtype:
-        module = _in_training_dtype(trainer, module)
-    with warnings.catch_warnings():
-        # The record's checkpoints carry HindsightCallback state this trainer does not need.
-        warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint.*")
-        # weights_only=False: the start is the record's own checkpoint, or the file the recorded
-        # fit resumed from (which that fit loaded itself), and plan() has checked it against the
-        # size and CRC-32 the record holds for it, so it is the file the record names. Callbacks'
-        # state may hold objects a weights-only load refuses (StochasticWeightAveraging's
-        # scheduler keeps a function).
-        trainer.fit(module, detached_copy(datamodule), ckpt_path=start.path, weights_only=False)
+    if "max_steps" in run_length:  # records made before it was kept: max_steps as given
+        kwargs["max_steps"] = run_length["max_steps"]
+    return kwargs
+
+
+def _load_start(entry: CheckpointEntry) -> dict[str, Any]:
+    """A replay's start checked against its size and CRC-32 and loaded in full: the record's own
+    checkpoint, or the file the recorded fit resumed from, which may be a ``ShrinkCheckpoint``
+    file (its format is read here, by the adapter: the hindsight core knows plain
+    ``torch.save`` files only).
+
+    weights_only=False as for every segment's start (see _replay_segment).
+    """
+    if not is_shrunk_file(entry.path):
+        return entry.load(weights_only=False)
+    verify_checkpoint(entry.path, entry.nbytes, entry.crc32)
+    # A plugin of its own: loading makes a plugin continue the loaded file's chain.
+    return ShrinkCheckpointIO().load_checkpoint(entry.path, weights_only=False)
+
+
+def _reading_shrunken_files(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with a checkpoint IO that reads the shrunken file a segment starts from: the
+    file a recorded fit resumed from with ``ShrinkCheckpoint``, whose plugin a replay leaves out
+    with the callback (it saves nothing).
+
+    A fresh ``ShrinkCheckpointIO``, never one the user passed: loading makes a plugin continue
+    the loaded file's chain, and the recorded Trainer's must stay where its fit left it. It
+    reads other files with the checkpoint IO the user passed, which it replaces (Lightning takes
+    one). A strategy given with a checkpoint IO of its own is left as it is (Lightning refuses a
+    second one).
+    """
+    strategy = kwargs.get("strategy")
+    if isinstance(strategy, Strategy) and strategy._checkpoint_io is not None:
+        return kwargs
+    plugins = kwargs.get("plugins")
+    given = [] if plugins is None else list(plugins) if isinstance(plugins, list) else [plugins]
+    others = [plugin for plugin in given if not isinstance(plugin, CheckpointIO)]
+    delegate = next((plugin for plugin in given if isinstance(plugin, CheckpointIO)), None)
+    if isinstance(delegate, ShrinkCheckpointIO):
+        delegate = delegate.delegate
+    return {**kwargs, "plugins": [*others, ShrinkCheckpointIO(delegate=delegate)]}
 
 
 class _StopAtSegmentEnd(Callback):
@@ -519,7 +632,9 @@ class _StopAfterBatch(Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.current_epoch == self.epoch and batch_idx + 1 >= self.batches:
+        # An epoch of that many batches or fewer ended by itself: no time limit stopped it.
+        short = self.batches < trainer.num_training_batches
+        if trainer.current_epoch == self.epoch and batch_idx + 1 >= self.batches and short:
             trainer.should_stop = True
 
 

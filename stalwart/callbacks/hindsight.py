@@ -151,6 +151,8 @@ class HindsightCallback(Callback):
             fingerprints=fingerprints,
             config={
                 "max_epochs": trainer.max_epochs,
+                # A replay stops where max_steps stopped the record, however its Trainer is built.
+                "max_steps": trainer.max_steps,
                 "module_class": f"{type(pl_module).__module__}.{type(pl_module).__qualname__}",
                 # A replay in eager mode of a record made compiled rounds differently: its hint
                 # says so.

@@ -314,14 +314,18 @@ def silenced_log(pl_module: LightningModule) -> Iterator[None]:
     """Run ``training_step`` outside the loop (to score a checkpoint): its logging is dropped.
 
     Called outside a hook, Lightning's ``log`` raises; these values belong to no step anyway.
+    What the instance had in their place before (a record's :func:`intercept_log`) is put back.
     """
     silent = lambda *args, **kwargs: None  # noqa: E731
+    names = ("log", "log_dict")
+    shadowed = {name: vars(pl_module)[name] for name in names if name in vars(pl_module)}
     pl_module.log, pl_module.log_dict = silent, silent
     try:
         yield
     finally:
-        vars(pl_module).pop("log", None)
-        vars(pl_module).pop("log_dict", None)
+        for name in names:
+            vars(pl_module).pop(name, None)
+        vars(pl_module).update(shadowed)
 
 
 def replace_epoch_batches(

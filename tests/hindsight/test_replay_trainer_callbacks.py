@@ -127,3 +127,70 @@ def test_epochs_takes_one_epoch_number(tmp_path):
     for wrong in (2.5, "3", True):
         with pytest.raises(ConfigurationError, match="pass an epoch number or several"):
             requested_epochs(wrong)
+
+
+class NoteLoss(L.Callback):
+    def __init__(self, shared: dict) -> None:
+        self.shared = shared
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.shared["loss"] = float(loss)
+
+
+class ScaleByLoss(L.Callback):
+    def __init__(self, shared: dict) -> None:
+        self.shared = shared
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        for parameter in pl_module.parameters():
+            parameter.grad.mul_(self.shared.get("loss", 1.0))
+
+
+def test_callbacks_sharing_an_object_still_share_it_in_a_replay(tmp_path):
+    def sharing() -> list[L.Callback]:
+        shared: dict = {}
+        return [NoteLoss(shared), ScaleByLoss(shared)]
+
+    L.seed_everything(0)
+    record = stalwart.HindsightCallback(str(tmp_path), materializer="inline")
+    trainer = stalwart.Trainer(max_epochs=3, callbacks=[*sharing(), record], **QUIET)
+    trainer.fit(DigitsClassifier(width=8), data())
+    result = trainer.replay(DigitsClassifier(width=8), data(), probe=GradProbe(), epochs=[1, 2])
+    assert result.mismatches == []  # copied one by one, each had its own dict: it differed
+
+
+class ScaleGradients(L.Callback):
+    def __init__(self, factor: float = 1.0) -> None:
+        self.factor = factor
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        for parameter in pl_module.parameters():
+            parameter.grad.mul_(self.factor)
+
+
+@pytest.mark.parametrize("change", ["append", "reconfigure"])
+def test_callbacks_changed_after_the_trainer_was_built_are_replayed(tmp_path, change):
+    L.seed_everything(0)
+    scale = ScaleGradients()
+    record = stalwart.HindsightCallback(str(tmp_path), materializer="inline")
+    trainer = stalwart.Trainer(max_epochs=3, callbacks=[scale, record], **QUIET)
+    if change == "append":
+        trainer.callbacks.append(ScaleGradients(3.0))
+    else:
+        scale.factor = 3.0
+    trainer.fit(DigitsClassifier(width=8), data())
+    result = trainer.replay(DigitsClassifier(width=8), data(), probe=GradProbe(), epochs=[1, 2])
+    assert result.mismatches == []  # copied at construction: without the change, it differed
+
+
+def test_a_trainer_that_records_copies_its_callbacks_once_before_its_first_fit(tmp_path):
+    L.seed_everything(0)
+    record = stalwart.HindsightCallback(str(tmp_path), materializer="inline")
+    trainer = stalwart.Trainer(max_epochs=1, callbacks=[ScaleGradients(), record], **QUIET)
+    assert trainer._replay_callbacks is None  # nothing copied at construction
+    trainer.fit(DigitsClassifier(width=8), data())
+    first = trainer._replay_callbacks
+    assert [type(c) for c in first.copies] == [ScaleGradients]
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(DigitsClassifier(width=8), data())
+    assert trainer._replay_callbacks is first  # a second fit's callbacks are used ones

@@ -9,6 +9,7 @@ import pytest
 import torch
 from digits_cnn import DigitsCNN, DigitsCNNDataModule
 
+import stalwart.hindsight
 import stalwart.shrink as shrink
 from stalwart import HindsightCallback, ShrinkCheckpoint
 from stalwart.errors import ConfigurationError
@@ -110,6 +111,10 @@ def test_evaluation_leaves_no_trace_in_training(tmp_path):
     assert all(torch.equal(plain[k], shrunk[k]) for k in plain)
     assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 3
     assert len(list((tmp_path / "runs").rglob("*.ckpt"))) >= 2  # hindsight recorded alongside
+    # Scoring silences the module's logging; the record's own interception of it comes back
+    # after each save (it was dropped at the first one: only epoch 0's values were recorded).
+    logged = stalwart.hindsight.open(tmp_path / "runs").run().metrics("train_loss")
+    assert sorted(set(logged.epoch.tolist())) == [0, 1, 2]
 
 
 def test_background_saves_leave_training_untouched_and_are_all_written_when_fit_returns(tmp_path):
