@@ -53,3 +53,10 @@ class GradProbe(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         pl_module.log("grad_norm", pl_module.net[0].weight.grad.norm())
+
+
+class EpochProbe(L.Callback):
+    """Outer-loop: the first layer's weight norm at each epoch's end (digits MLP)."""
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        pl_module.log("w_norm", pl_module.net[0].weight.norm())

@@ -13,7 +13,7 @@ from digits import DigitsClassifier, DigitsDataModule
 import stalwart
 from stalwart import HindsightCallback
 from stalwart.hindsight.estimate import ReplayEstimate
-from tests.helpers import QUIET
+from tests.helpers import QUIET, EpochProbe, GradProbe
 
 EPOCHS = 6
 BATCHES = 5  # 640 training samples / 128
@@ -30,16 +30,6 @@ class CountingClassifier(DigitsClassifier):
     def training_step(self, batch, batch_idx):
         type(self).steps += 1
         return super().training_step(batch, batch_idx)
-
-
-class EpochProbe(L.Callback):
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        pl_module.log("w_norm", pl_module.net[0].weight.norm())
-
-
-class GradProbe(L.Callback):
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        pl_module.log("grad_norm", pl_module.net[0].weight.grad.norm())
 
 
 def trainer_for(dirpath) -> stalwart.Trainer:

@@ -18,23 +18,9 @@ from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAver
 import stalwart
 from stalwart.errors import CorruptCheckpointError, UnsafeCheckpointError
 from stalwart.hindsight.checkpoint_file import read_checkpoint, write_checkpoint
-from tests.helpers import QUIET, EveryEpoch
+from tests.helpers import QUIET, EpochProbe, EveryEpoch, GradProbe
 
 EPOCHS = 4
-
-
-class EpochProbe(L.Callback):
-    """Outer-loop: the training weights at each epoch's end."""
-
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        pl_module.log("w_norm", pl_module.net[0].weight.norm())
-
-
-class GradProbe(L.Callback):
-    """Inner-loop: the gradient norm before every optimizer step."""
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        pl_module.log("grad_norm", pl_module.net[0].weight.grad.norm())
 
 
 AVERAGING = {
