@@ -13,14 +13,9 @@ from torch.utils.data import DataLoader, Dataset
 
 import stalwart
 from stalwart.hindsight.check import BatchMismatch, Mismatch
-from tests.helpers import QUIET, EveryEpoch, GradProbe
+from tests.helpers import QUIET, EpochProbe, EveryEpoch, GradProbe
 
 BATCHES = 4  # 512 training samples / 128
-
-
-class EpochProbe(L.Callback):
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        pl_module.log("w_norm", pl_module.net[0].weight.norm())
 
 
 def trainer(dirpath, **kwargs) -> stalwart.Trainer:

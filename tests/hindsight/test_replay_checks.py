@@ -11,7 +11,7 @@ from digits import DigitsClassifier, DigitsDataModule
 
 import stalwart
 from stalwart import ConfigurationError, HindsightCallback, ReplayError
-from tests.helpers import QUIET
+from tests.helpers import QUIET, GradProbe
 
 
 class EveryEpoch(HindsightCallback):
@@ -34,11 +34,6 @@ class HiddenState(DigitsClassifier):
 
     def on_train_epoch_end(self) -> None:
         self.scale *= 0.5
-
-
-class GradProbe(L.Callback):
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        pl_module.log("grad_norm", pl_module.net[0].weight.grad.norm())
 
 
 def make_trainer(dirpath, epochs=6) -> stalwart.Trainer:

@@ -20,16 +20,9 @@ from digits import DigitsClassifier, DigitsDataModule
 
 import stalwart
 from stalwart.trainer import is_compiled, training_copy, uncompiled
-from tests.helpers import QUIET, EveryEpoch
+from tests.helpers import QUIET, EpochProbe, EveryEpoch
 
 EPOCHS = 3
-
-
-class WeightProbe(L.Callback):
-    """Outer-loop: the first layer's weight norm at each epoch end."""
-
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        pl_module.log("w_norm", pl_module.net[0].weight.norm())
 
 
 class LossProbe(L.Callback):
@@ -74,7 +67,7 @@ def test_a_compiled_module_replays_as_the_module_lightning_trained(record):
     root, _ = record
     # An epoch-end probe restores the epochs from their checkpoints: the hooks' fingerprints
     # were compared on the module inside the wrapper, so nothing looks edited.
-    result, said = replay(root, compiled(), WeightProbe(), [1, 2])
+    result, said = replay(root, compiled(), EpochProbe(), [1, 2])
     assert result.level == "outer" and result.batches_executed == 0
     assert result.mismatches == [] and said == []
     assert len(result.metrics("w_norm")) == 2

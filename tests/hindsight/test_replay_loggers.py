@@ -21,18 +21,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import stalwart
 from stalwart import HindsightCallback
+from tests.helpers import EpochProbe, GradProbe
 
 EPOCHS = 3
-
-
-class GradProbe(L.Callback):
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        pl_module.log("grad_norm", pl_module.net[0].weight.grad.norm())
-
-
-class EpochProbe(L.Callback):
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        pl_module.log("w_norm", pl_module.net[0].weight.norm())
 
 
 def fresh():
