@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
 import warnings
 from pathlib import Path
@@ -31,3 +32,15 @@ def _quiet_lightning_tips():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Kill child processes a test left behind, and name them: multiprocessing joins every
+    non-daemon child at interpreter exit, so one hung child held a whole CI run past its limit."""
+    leftovers = multiprocessing.active_children()
+    for child in leftovers:
+        child.kill()
+        child.join(timeout=10)
+    if leftovers:
+        names = ", ".join(f"{child.name} (pid {child.pid})" for child in leftovers)
+        sys.stderr.write(f"\nkilled {len(leftovers)} child process(es) left by tests: {names}\n")

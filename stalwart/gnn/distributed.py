@@ -23,10 +23,13 @@ interval pipeline with separate graph/tensor pools inside one process is
 
 from __future__ import annotations
 
+import logging
+import signal
 import socket
 import time
 from collections import deque
 from datetime import timedelta
+from multiprocessing import connection as mp_connection
 from typing import Any
 
 import torch
@@ -41,6 +44,8 @@ from stalwart.gnn.ghost_buffer import VersionedGhostBuffer
 from stalwart.gnn.graph import IntervalGraph
 from stalwart.gnn.layers import StaleGCNConv, StaleGNN
 from stalwart.gnn.stash import WeightStash
+
+log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.0005
 
@@ -311,7 +316,7 @@ def _worker(
             val.append(worker.accuracy(graph.val_mask))
             test.append(worker.accuracy(graph.test_mask))
         dist.barrier()
-        results.put({
+        results.send({
             "rank": rank, "seconds": seconds, "loss": losses, "val": val, "test": test,
             "gate_log": worker.gate_log, "reads": worker.reads, "waited": worker.waited,
             # numpy, not tensors: a tensor would travel as a shared-memory handle that dies
@@ -320,6 +325,58 @@ def _worker(
         })  # fmt: skip
     finally:
         dist.destroy_process_group()
+
+
+#: Seconds a partition process may take to exit once it has sent its result.
+EXIT_GRACE_SECONDS = 30.0
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+def _collect(processes: list, receivers: list) -> list[dict]:
+    """Each rank's result; raises as soon as a process ends without sending one (its peers would
+    otherwise wait for it in a collective, and this process for them, forever)."""
+    outputs: list[dict] = []
+    waiting = dict(zip(receivers, range(len(processes)), strict=True))
+    while waiting:
+        alive = [processes[rank].sentinel for rank in waiting.values()]
+        for ready in mp_connection.wait([*waiting, *alive]):
+            rank = waiting.get(ready)
+            if rank is not None:
+                try:
+                    outputs.append(ready.recv())
+                except EOFError:  # the child died; its exit code is read below
+                    continue
+                del waiting[ready]
+        for receiver, rank in list(waiting.items()):
+            if processes[rank].exitcode is not None and not receiver.poll():
+                codes = ", ".join(f"rank {r}: {_describe_exit(p.exitcode)}"
+                                  for r, p in enumerate(processes))  # fmt: skip
+                raise RuntimeError(f"partition process {rank} ended without a result ({codes}); "
+                                   "its error, if it raised one, is printed above.")  # fmt: skip
+    return outputs
+
+
+def _reap(processes: list, grace: float) -> list[int]:
+    """Join every process within ``grace`` seconds (all together); kill the rest. Returns the
+    ranks that had to be killed."""
+    deadline = time.monotonic() + grace
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    lingering = [rank for rank, process in enumerate(processes) if process.is_alive()]
+    for rank in lingering:
+        processes[rank].kill()
+        processes[rank].join()
+    return lingering
 
 
 def run_partitions(
@@ -363,23 +420,34 @@ def run_partitions(
     port = _free_port()
     # fork, not spawn: a spawned child would re-import torch and Lightning (seconds each); the
     # children are forked before the store's server thread exists and connect to it with retry.
+    # Daemons: a child left behind must never hold up this interpreter's exit.
     context = mp.get_context("fork")
-    results = context.SimpleQueue()
+    pipes = [context.Pipe(duplex=False) for _ in range(world_size)]
     args = (world_size, port, tensors, staleness, epochs, hidden, seed,
-            (straggler_rank, straggler_delay), dtype, evaluate, results)  # fmt: skip
-    processes = [context.Process(target=_worker, args=(rank, *args)) for rank in range(world_size)]
+            (straggler_rank, straggler_delay), dtype, evaluate)  # fmt: skip
+    processes = [
+        context.Process(target=_worker, args=(rank, *args, sender), daemon=True)
+        for rank, (_, sender) in enumerate(pipes)
+    ]
     for process in processes:
         process.start()
-    master = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=True,
-                           timeout=timedelta(seconds=120), wait_for_workers=False)  # fmt: skip
-    outputs = [results.get() for _ in processes]
-    for process in processes:
-        process.join(timeout=60)
+    for _, sender in pipes:
+        sender.close()
+    try:
+        # The store outlives the children: their teardown may still talk to it.
+        master = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=True,
+                               timeout=timedelta(seconds=120), wait_for_workers=False)  # fmt: skip
+        outputs = _collect(processes, [receiver for receiver, _ in pipes])
+        lingering = _reap(processes, EXIT_GRACE_SECONDS)
+    finally:
+        _reap(processes, 0.0)  # a failed run leaves no process waiting in a collective
+    if lingering:
+        # Every rank sent its result after the last barrier, so the results are whole; what hung
+        # is torch.distributed's teardown (pytorch/pytorch#75097), seen once in CI.
+        log.warning("partition process(es) %s did not exit within %.0f s of sending their "
+                    "results and were killed; the results are complete.",
+                    lingering, EXIT_GRACE_SECONDS)  # fmt: skip
     del master
-    if any(process.exitcode != 0 for process in processes):
-        raise RuntimeError(
-            f"a partition process failed: exit codes {[p.exitcode for p in processes]}"
-        )
     for out in outputs:
         out["params"] = {k: torch.from_numpy(v) for k, v in out["params"].items()}
     return sorted(outputs, key=lambda out: out["rank"])
