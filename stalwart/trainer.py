@@ -15,7 +15,14 @@ from typing import Any
 import lightning as L
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.callbacks import Callback, Checkpoint, ModelSummary, ProgressBar, Timer
+from lightning.pytorch.callbacks import (
+    Callback,
+    Checkpoint,
+    ModelCheckpoint,
+    ModelSummary,
+    ProgressBar,
+    Timer,
+)
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
@@ -32,6 +39,7 @@ from stalwart.callbacks.lightning_internals import (
     fit_ends_after_this_epoch,
     hook_epoch_boundary,
     unhook_epoch_boundary,
+    writing_no_files,
 )
 from stalwart.callbacks.replay import BATCH_LEVEL_HOOKS, FunctionProbe, ReplayDriver, probe_level
 from stalwart.callbacks.replay_loggers import lightning_points, write_to_loggers
@@ -211,18 +219,29 @@ def _replay(
             model, datamodule, probes, driver, entries[segment.resume_from], trainer_args,
             last_batches=last_batches if segment.last_epoch == max(setup.recorded) else None,
             load_in_training_dtype=segment.resume_from in taken,
-            run_length=recorded_run.config,
+            run_length=recorded_run.config, scratch=scratch,
         )  # fmt: skip
 
-    outcome = core.run_segments(
-        setup, level, segments, replay_segment, dry_run=dry_run, targets=targets,
-        logger_axis=lightning_points, also=lambda points: write_to_loggers(instances, points),
-        batch_hooks=BATCH_LEVEL_HOOKS,
-        explain=lambda: _mismatch_cause(model, datamodule, trainer_args[1], setup),
-    )  # fmt: skip
+    # The segments' temporary folders are made in one of this process's, removed here whatever
+    # became of the workers: a worker killed by a signal removes nothing of its own.
+    with _scratch_folder(dry_run) as scratch:
+        outcome = core.run_segments(
+            setup, level, segments, replay_segment, dry_run=dry_run, targets=targets,
+            logger_axis=lightning_points, also=lambda points: write_to_loggers(instances, points),
+            batch_hooks=BATCH_LEVEL_HOOKS,
+            explain=lambda: _mismatch_cause(model, datamodule, trainer_args[1], setup),
+        )  # fmt: skip
     if _ANNOUNCE.get():
         rank_zero_info(str(outcome) if dry_run else outcome.summary())
     return outcome
+
+
+def _scratch_folder(dry_run: bool) -> contextlib.AbstractContextManager[str | None]:
+    """A replay's temporary folder, for its segments' own (none for a dry run: it writes
+    nothing)."""
+    if dry_run:
+        return contextlib.nullcontext(None)
+    return tempfile.TemporaryDirectory(prefix="stalwart-replay-")
 
 
 def _refuse_composer_record(run: Any) -> None:
@@ -397,9 +416,14 @@ def _logger_instances(loggers: Any) -> list[Logger] | None:
 
 
 #: What a replay leaves out of the Trainer's callbacks: the record and checkpointing (a replay
-#: records nothing of its own), Lightning's display (the replay's Trainer adds its own), and the
-#: time limit (a replay stops where the record says instead; see _replay_segment).
+#: records nothing of its own; Lightning's own ModelCheckpoint is kept, writing no file: see
+#: writing_no_files), Lightning's display (the replay's Trainer adds its own), and the time
+#: limit (a replay stops where the record says instead; see _replay_segment).
 _NOT_REPLAYED = (HindsightCallback, Checkpoint, ProgressBar, ModelSummary, Timer)
+
+
+def _replayed(callback: Callback) -> bool:
+    return type(callback) is ModelCheckpoint or not isinstance(callback, _NOT_REPLAYED)
 
 
 @dataclass
@@ -409,19 +433,28 @@ class _ReplayCallbacks:
     ``copies``: made by one deep copy of the list, so callbacks sharing an object still share
     one copy of it. ``timed``: whether the Trainer had a time limit (``max_time``, a ``Timer``).
     ``uncopyable``: the callback that could not be copied and why, named when a replay needs
-    it, not here (a Trainer that never replays must still fit).
+    it, not here (a Trainer that never replays must still fit). ``checkpointing``: whether the
+    replay's Trainer may have Lightning's checkpointing (its ``trainer.checkpoint_callback``):
+    every ``Checkpoint`` callback was Lightning's ``ModelCheckpoint``, copied with the rest. A
+    Trainer with another kind (a ``ShrinkCheckpoint``) replays without checkpointing, rather
+    than with Lightning's default ``ModelCheckpoint`` in its place, which would show paths and
+    scores the record never had.
     """
 
     copies: list[Callback]
     timed: bool
     uncopyable: tuple[Callback, Exception] | None = None
+    checkpointing: bool = False
 
     @classmethod
     def of(cls, callbacks: list[Callback]) -> _ReplayCallbacks:
-        kept = [c for c in callbacks if not isinstance(c, _NOT_REPLAYED)]
+        kept = [c for c in callbacks if _replayed(c)]
         timed = any(isinstance(c, Timer) for c in callbacks)
+        checkpointing = all(
+            type(c) is ModelCheckpoint for c in callbacks if isinstance(c, Checkpoint)
+        )
         try:
-            return cls(copy.deepcopy(kept), timed)
+            return cls(copy.deepcopy(kept), timed, checkpointing=checkpointing)
         except Exception:  # whatever stops a copy is reported at replay
             pass
         for callback in kept:  # one at a time, only to name the one that cannot be copied
@@ -482,22 +515,28 @@ def _replay_segment(
     last_batches: int | None,
     load_in_training_dtype: bool,
     run_length: dict[str, Any] | None = None,
+    scratch: str | None = None,
 ) -> None:
     """Run one segment: a fit of a copy of ``model`` from ``start`` with the probes and driver.
 
     ``last_batches``: the training batches the record's last epoch ran, for the segment that
     ends with it (else None); ``load_in_training_dtype``: put the module in the precision's dtype
     before the start is loaded (the record's own checkpoints; see :func:`_in_training_dtype`);
-    ``run_length``: the record's config, for the recorded fit's ``max_epochs``/``max_steps``.
+    ``run_length``: the record's config, for the recorded fit's ``max_epochs``/``max_steps``;
+    ``scratch``: the replay's temporary folder, which the replaying process removes.
     """
     args, recorded = trainer_args
-    # The replay's log folder: its own, removed after the fit (see _ReplayLogger).
-    with tempfile.TemporaryDirectory(prefix="stalwart-replay-") as log_dir:
+    # The segment's log folder: its own, removed after the fit (see _ReplayLogger), and inside
+    # the replay's, which the replaying process removes even if this is a worker that dies.
+    prefix = f"stalwart-replay-segment-{driver.index}-"
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=scratch) as log_dir:
         kwargs = _segment_kwargs(recorded, probes, driver, last_batches, run_length or {})
         kwargs["logger"] = _ReplayLogger(log_dir) if recorded.get("logger") else False
         if is_shrunk_file(start.path):
             kwargs = _reading_shrunken_files(kwargs)
         trainer = L.Trainer(*args, **kwargs)
+        for checkpoint in trainer.checkpoint_callbacks:  # only ModelCheckpoints (see fresh)
+            writing_no_files(checkpoint)
         module = training_copy(model)
         if load_in_training_dtype:
             module = _in_training_dtype(trainer, module)
@@ -539,7 +578,10 @@ def _segment_kwargs(
     kwargs.update(
         callbacks=[*callbacks, *copy.deepcopy(probes), driver],
         max_epochs=max_epochs if max_epochs is not None else last_epoch + 1,
-        enable_checkpointing=False,
+        # As recorded (Lightning's default ModelCheckpoint included), so user code reading
+        # trainer.checkpoint_callback works; its files are never written (writing_no_files).
+        enable_checkpointing=snapshot.checkpointing
+        and recorded.get("enable_checkpointing") is not False,
         num_sanity_val_steps=0,
     )
     if "max_steps" in run_length:  # records made before it was kept: max_steps as given

@@ -193,6 +193,11 @@ class HindsightCallback(Callback):
                 lambda: self._snapshot(trainer, rng=self._rng_at_start), trainer.global_step
             )
         self.recorder.train_started()
+        # Lightning may run an epoch's end with no start in this fit: with max_steps set, a fit
+        # resumed from a file saved inside on_train_epoch_end (a ModelCheckpoint's) runs that
+        # epoch's end again, and no batch. Its count of batches starts here.
+        self._first_batch = batches_completed(trainer)
+        self._training_counted = False
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.recorder.epoch_started()

@@ -18,6 +18,8 @@ equivalent, and each function says what it needs and why:
 - what Lightning's private hook dispatch (``trainer/call.py``) spends handing one hook to one
   callback, which the record charges to itself for every hook of every batch, and that this
   dispatch skips a hook that is not callable (so a callback's unused hooks cost nothing).
+- a ``ModelCheckpoint`` that decides as usual but writes, links and deletes no file (a replay's,
+  for user code reading ``trainer.checkpoint_callback``): its saving and removing methods.
 
 ``pyproject.toml`` bounds Lightning to the range these were written against, and
 ``tests/callbacks/test_lightning_internals.py`` fails loudly, naming the attribute, when an
@@ -35,7 +37,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.utilities import _is_max_limit_reached
 from lightning.pytorch.profilers import PassThroughProfiler
@@ -133,12 +135,16 @@ def hook_dispatch_seconds(trainer: Trainer, callback: Callback, repeats: int = 1
 def dump_checkpoint(trainer: Trainer) -> dict[str, Any]:
     """Everything ``trainer.save_checkpoint`` would write, as a dict, without writing it.
 
-    Taken between epochs (no epoch started and not yet completed: before the first, or at the
-    epoch boundary), its fit-loop state is marked with :data:`EPOCH_START_KEY`.
+    Taken between epochs (no epoch started since the last one completed: before the first, or
+    at the epoch boundary), its fit-loop state is marked with :data:`EPOCH_START_KEY`. The
+    ``processed`` count is not compared: with ``max_steps`` set, a fit that Lightning restarted
+    inside an epoch's end (from a ``ModelCheckpoint`` file saved in ``on_train_epoch_end``)
+    runs that epoch end again and counts it as processed twice, so from there on ``processed``
+    is one ahead of ``completed`` at every boundary of the fit.
     """
     checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
     epoch = trainer.fit_loop.epoch_progress.current
-    if epoch.ready == epoch.started == epoch.processed == epoch.completed:
+    if epoch.ready == epoch.started == epoch.completed <= epoch.processed:
         checkpoint["loops"]["fit_loop"][EPOCH_START_KEY] = True
     return checkpoint
 
@@ -346,9 +352,17 @@ def replace_epoch_batches(
 
     def run(data_fetcher: Any) -> None:
         epoch = trainer.current_epoch
-        if not skip(epoch):
+        # A fit restarted inside an epoch's end (from a ModelCheckpoint's file, max_steps set)
+        # runs none of that epoch's batches nor its validation: nothing to restore, and the
+        # record's checkpoint of it holds no state after a last batch. Lightning's run it is.
+        if not skip(epoch) or trainer.fit_loop.restarted_on_epoch_end:
             return run_batches(data_fetcher)
         restore(epoch)
+        # What running the batches leaves: a loop restarted from a file saved inside an epoch
+        # (a ModelCheckpoint's, with max_steps set) restarts only the epoch it was saved in, and
+        # the first training batch after it sets validation not to restart (else this epoch's
+        # validation would resume the saved one's progress and skip its batches).
+        _Loop.restarting.fset(epoch_loop, False)
         if epoch_loop._should_check_val_epoch() and trainer.limit_val_batches != 0:
             trainer.validating = True
             epoch_loop.val_loop.run()
@@ -522,3 +536,39 @@ def detached_copy(obj: Any) -> Any:
     attached = [vars(obj).get(name) for name in ("_trainer", "trainer")]
     memo = {id(trainer): None for trainer in attached if trainer is not None}
     return copy.deepcopy(obj, memo)
+
+
+def writing_no_files(checkpoint: ModelCheckpoint) -> None:
+    """Make a replay's ``ModelCheckpoint`` decide as the record's did, writing no file.
+
+    User code reads ``trainer.checkpoint_callback`` (``best_model_score``, ``best_model_path``,
+    ``last_model_path``) in its hooks, so a replay keeps it: its state is loaded from the
+    segment's start (the record's checkpoint holds it) and its hooks rank each epoch's score as
+    the record's did. But a replay must never write, link, rotate or delete the files in the
+    record's checkpoint folder: saving only notes what it would have saved, and removing only
+    forgets it. Which file names exist is answered from those notes, as the record's folder
+    held them (so names get the record's ``-v1`` suffixes, not ones from the record's files).
+    """
+    noted: set[str] = set()
+
+    def save(trainer: Trainer, filepath: str) -> None:
+        checkpoint._last_global_step_saved = trainer.global_step
+        checkpoint._last_checkpoint_saved = filepath
+        noted.add(filepath)
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        # The record's folder, not one resolved from the replay's logger: Lightning restores
+        # the scores only into the folder they were saved for, and the paths read as recorded.
+        checkpoint.dirpath = state.get("dirpath", checkpoint.dirpath)
+        ModelCheckpoint.load_state_dict(checkpoint, state)
+        noted.update(
+            path for path in [*checkpoint.best_k_models, checkpoint.last_model_path] if path
+        )
+
+    checkpoint._save_checkpoint = save
+    checkpoint._link_checkpoint = lambda trainer, filepath, linkpath: noted.add(linkpath)
+    checkpoint._remove_checkpoint = lambda trainer, filepath: noted.discard(filepath)
+    checkpoint.file_exists = lambda filepath, trainer: filepath in noted
+    checkpoint.load_state_dict = load_state_dict
+    # The record's folder holds the record's files: no "not empty" warning about them.
+    checkpoint._ModelCheckpoint__warn_if_dir_not_empty = lambda dirpath: None

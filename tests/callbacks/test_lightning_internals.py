@@ -148,6 +148,24 @@ def test_private_attributes_the_internals_use_exist(fitted):
     for name in ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics"):
         if not isinstance(getattr(logger_connector, name, None), dict):
             missing.append(f"_LoggerConnector.{name} (a dict)")
+    # writing_no_files: a replay's ModelCheckpoint writes, links and deletes through these only.
+    checkpoint_methods = {
+        "_save_checkpoint": ["trainer", "filepath"],
+        "_link_checkpoint": ["trainer", "filepath", "linkpath"],
+        "_remove_checkpoint": ["trainer", "filepath"],
+        "file_exists": ["filepath", "trainer"],
+        "_ModelCheckpoint__warn_if_dir_not_empty": ["dirpath"],
+    }
+    for name, params in checkpoint_methods.items():
+        method = getattr(ModelCheckpoint, name, None)
+        if not callable(method) or _params(method) != params:
+            missing.append(f"ModelCheckpoint.{name}({', '.join(params)})")
+    saver = ModelCheckpoint()
+    for name in ("_last_global_step_saved", "_last_checkpoint_saved"):
+        if not hasattr(saver, name):
+            missing.append(f"ModelCheckpoint.{name}")
+    if not isinstance(getattr(loop, "restarted_on_epoch_end", None), bool):
+        missing.append("_FitLoop.restarted_on_epoch_end (a bool)")
     module = DigitsClassifier(width=8)
     for name in ("_current_fx_name", "_trainer"):
         if name not in vars(module):
