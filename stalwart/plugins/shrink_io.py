@@ -129,8 +129,13 @@ class ShrinkCheckpointIO(CheckpointIO):
         self, path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         if not is_shrunk_file(path):
+            # A plain file loads as Lightning would load it, weights_only included: dropped, a
+            # resume with weights_only=False of a plain checkpoint whose hyperparameters hold a
+            # class of the user's failed under ShrinkCheckpoint and only there.
             fallback = self.delegate or TorchCheckpointIO()
-            return fallback.load_checkpoint(path, map_location=map_location)
+            return fallback.load_checkpoint(
+                path, map_location=map_location, weights_only=weights_only
+            )
         # A resumed fit continues the chain it was restored from. Like torch.load (and Lightning)
         # since torch 2.6, the non-tensor part loads weights-only unless the caller says False.
         weights, extra = self.writer.load(path, weights_only=weights_only is not False)

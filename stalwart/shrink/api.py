@@ -34,6 +34,7 @@ from stalwart.shrink.moments import (
     MomentChoice,
     choose_setting,
     effective_form,
+    moment_layout,
     moments_of,
     optimizer_signature,
     optimizer_states,
@@ -235,7 +236,8 @@ def save(
         parameter_shapes: per optimizer state (in the order they sit in ``extra``), its
             parameter key -> parameter shape; a moment of another shape is stored losslessly.
         optimizer_choice: with ``"auto"``, the choice an earlier save's continuation check made,
-            reused here without a check (the report says so); see
+            reused here without a check (the report says so) unless the optimizer state holds
+            other moments than that check saw (then it checks again); see
             :class:`~stalwart.shrink.chain.ChainWriter`, which decides when that is safe.
         coder: entropy coder of the index streams: ``"auto"`` (default: per stream the smallest
             of rANS per previous level, rANS, and run lengths + zstd; measured: none wins
@@ -460,6 +462,11 @@ class _MomentPlan:
     raw_bytes: int
     choice: MomentChoice | None
     signature: list
+    lossy: bool = False  # compress_optimizer="lossy": every floating tensor quantized, unchecked
+
+
+#: How a file written with ``compress_optimizer="lossy"`` names its optimizer state's form.
+LOSSY_OPTIMIZER_SETTING = f"lossy ({LOSSY_OPTIMIZER_CONFIG.bins} levels, unchecked)"
 
 
 def _moment_plan(
@@ -481,7 +488,8 @@ def _moment_plan(
         if isinstance(value, torch.Tensor)
     }
     raw = _tensor_bytes([state["state"] for state in states])
-    plan = _MomentPlan({}, ids, raw, None, [optimizer_signature(state) for state in states])
+    signature = [optimizer_signature(state) for state in states]
+    plan = _MomentPlan({}, ids, raw, None, signature, lossy=mode == "lossy" and bool(states))
     if mode != "auto" or not states:
         return plan
     found = []
@@ -499,9 +507,16 @@ def _moment_plan(
         reason = "nothing to compress: no known moments with elements in the optimizer state"
         plan.choice = MomentChoice(LOSSLESS, None, [], reason=reason)
         return plan
+    layout = moment_layout(found)
+    if kept is not None and kept.layout is not None and kept.layout != layout:
+        # Moments the check never saw (a parameter group added, a layer unfrozen) would be
+        # stored in its setting unchecked: this save checks again.
+        kept = None
     if kept is not None:
         reason = f"reused: continuation {kept.degradation:+.4f} at its last check"
-        plan.choice = MomentChoice(kept.setting, None, [], reason=reason, reused=True)
+        plan.choice = MomentChoice(
+            kept.setting, None, [], reason=reason, reused=True, layout=kept.layout
+        )
     elif continue_training is None:
         plan.choice = MomentChoice(LOSSLESS, None, [], reason="no continuation check available")
         return plan
@@ -509,6 +524,7 @@ def _moment_plan(
         plan.choice = choose_setting(
             states, found, lambda candidate: continue_training(restored, list(candidate)), tau
         )
+        plan.choice.layout = layout
     setting = plan.choice.setting
     plan.forms = {id(m.tensor): effective_form(m, setting) for ms in found for m in ms}
     return plan
@@ -658,6 +674,9 @@ def _header(
         weights.config,
     )
     choice = moments.choice
+    # Without a choice the moments are lossless, unless "lossy" quantized them: the listing
+    # (`stalwart shrink inspect`) showed such files as lossless.
+    setting = LOSSY_OPTIMIZER_SETTING if moments.lossy else None
     return {
         "format": version,
         "kind": "keyframe" if chain is None else "delta",
@@ -679,7 +698,7 @@ def _header(
             "bytes": moments.raw_bytes,
             "stored": optimizer_stored,
             "signature": moments.signature,
-            "setting": None if choice is None else choice.setting.describe(),
+            "setting": setting if choice is None else choice.setting.describe(),
             "degradation": None if choice is None else choice.degradation,
             "tried": [] if choice is None else choice.tried,
             "reused": choice is not None and choice.reused,

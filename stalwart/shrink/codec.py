@@ -25,7 +25,12 @@ import numpy as np
 import torch
 
 from stalwart.errors import CorruptCheckpointError, UnsafeCheckpointError
-from stalwart.shrink.container import Container, SectionWriter, read_container
+from stalwart.shrink.container import (
+    Container,
+    SectionWriter,
+    is_torch_save_file,
+    read_container,
+)
 from stalwart.shrink.delta import (
     delta_indices,
     run_length_decode,
@@ -516,9 +521,12 @@ def _read_base(delta: Path, base_path: Path, crc32: int) -> Container:
     that path was written again."""
     kept = superseded_path(base_path, crc32)
     if base_path.exists():
-        container = read_container(base_path)
-        if container.crc32 == crc32:
-            return container
+        # A plain checkpoint written over the base (a save without ShrinkCheckpoint's request)
+        # is a replacement like any other: the copy kept aside, if any, is the base.
+        if not is_torch_save_file(base_path):
+            container = read_container(base_path)
+            if container.crc32 == crc32:
+                return container
         if not kept.exists():
             raise CorruptCheckpointError(
                 f"{delta} is a delta on {base_path}, but that file was replaced by a "

@@ -26,6 +26,8 @@ from stalwart.shrink.entropy import zstd_compress, zstd_decompress
 
 MAGIC = b"STWSHRK\0"
 END_MAGIC = b"\0KRHSWTS"
+#: The first 4 bytes of a torch.save file: a zip archive (torch >= 1.6), or a pickle (legacy).
+TORCH_SAVE_MAGICS = (b"PK\x03\x04", b"\x80\x02\x8a\x0a")
 # The newest format this stalwart reads. 2 added bfloat16-rounded small tensors, 3 the grouped rANS
 # coder of index streams, 4 byte-plane lossless coding and the optimizer moments' forms (see
 # codec.ENCODING_FORMATS), 5 factored second moments' sums in bfloat16; a file is written with
@@ -41,6 +43,15 @@ def is_shrunk_file(path: str | os.PathLike) -> bool:
     try:
         with open(path, "rb") as handle:
             return handle.read(len(MAGIC)) == MAGIC
+    except (FileNotFoundError, IsADirectoryError):
+        return False
+
+
+def is_torch_save_file(path: str | os.PathLike) -> bool:
+    """True when ``path`` starts as a ``torch.save`` file does (cheap: reads 4 bytes)."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4) in TORCH_SAVE_MAGICS
     except (FileNotFoundError, IsADirectoryError):
         return False
 
@@ -114,6 +125,13 @@ def read_container(path: str | os.PathLike) -> Container:
             "written. Restore from an earlier checkpoint of the chain (`stalwart shrink inspect`)."
         )
 
+    if data[:4] in TORCH_SAVE_MAGICS:
+        # Intact, just not ours (e.g. trainer.save_checkpoint by hand beside ShrinkCheckpoint,
+        # which writes plain files): "truncated, restore an earlier one" sent users astray.
+        raise CorruptCheckpointError(
+            f"{path} is a plain torch.save file, not a shrunken checkpoint: read it with "
+            "torch.load (a Trainer resumes from it with trainer.fit(ckpt_path=...) as usual)."
+        )
     if len(data) < _PREFIX.size + _TRAILER.size or data[: len(MAGIC)] != MAGIC:
         raise corrupt("not a complete shrunken checkpoint (bad magic or too short)")
     length, crc, end = _TRAILER.unpack_from(data, len(data) - _TRAILER.size)

@@ -335,11 +335,21 @@ class MomentChoice:
     seconds: float = 0.0
     reason: str = ""
     reused: bool = False  # the setting of an earlier save's check, taken without one here
+    #: The moments the check was run on (see :func:`moment_layout`): a later save reuses the
+    #: setting only for the same ones.
+    layout: list | None = None
 
     def describe(self) -> str:
         if self.degradation is None:
             return f"{self.setting.describe()} ({self.reason or 'not checked'})"
         return f"{self.setting.describe()} (continuation {self.degradation:+.4f})"
+
+
+def moment_layout(moments: Sequence[Sequence[Moment]]) -> list:
+    """Which moments there are, per optimizer state: (parameter, key, shape) of each, sorted."""
+    return [
+        sorted((str(m.parameter), m.key, tuple(m.tensor.shape)) for m in found) for found in moments
+    ]
 
 
 def relative_increase(loss: float, reference: float) -> float:

@@ -4,6 +4,7 @@ what a callback keeps in its state comes back from a shrunken file as it was sav
 
 import collections
 import datetime
+import pickle
 
 import lightning as L
 import pytest
@@ -187,6 +188,20 @@ def test_dict_subclasses_in_callback_state_resume_as_saved(tmp_path, make, weigh
         assert resumed.counts.default_factory is int
         with pytest.raises(UnsafeCheckpointError, match="weights_only=False"):
             shrink.load_with_extra(path)
+
+
+def test_a_plain_checkpoint_resumes_with_the_weights_only_the_fit_was_given(tmp_path):
+    # A plain file was loaded with torch.load's default (weights_only=True) whatever the fit
+    # said: one that only loads with weights_only=False resumed without ShrinkCheckpoint and
+    # failed with it.
+    plain = ModelCheckpoint(dirpath=tmp_path / "plain")
+    _fit([plain, Counting(collections.defaultdict(int))], epochs=1)
+    resumed = Counting(collections.defaultdict(int))
+    _fit([ShrinkCheckpoint(dirpath=tmp_path / "shrunk"), resumed], epochs=2,
+         ckpt_path=plain.best_model_path, weights_only=False)  # fmt: skip
+    assert resumed.counts == {"batches": 6} and resumed.counts.default_factory is int
+    with pytest.raises(pickle.UnpicklingError, match="weights_only"):  # and refused when asked
+        ShrinkCheckpointIO().load_checkpoint(plain.best_model_path, weights_only=True)
 
 
 NamedPair = collections.namedtuple("NamedPair", "first second")

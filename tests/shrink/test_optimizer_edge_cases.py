@@ -10,6 +10,7 @@ import torch
 from digits import DigitsClassifier, DigitsDataModule
 from torch import nn
 
+import stalwart.shrink as shrink
 from stalwart import ShrinkCheckpoint
 from stalwart.plugins import ShrinkCheckpointIO
 from stalwart.shrink.inspect import inspect
@@ -104,3 +105,27 @@ def test_the_note_on_a_scalar_parameters_moments_says_why_they_are_kept_exact():
         "optimizer moments ['exp_avg', 'exp_avg_sq'] of scalar (0-dim) or empty parameters: "
         "stored losslessly (nothing to compress)"
     ]
+
+
+def _optimizer_after_steps(steps: int = 3) -> dict:
+    layer = nn.Linear(64, 64)
+    optimizer = torch.optim.RMSprop(layer.parameters(), lr=1e-3, momentum=0.9)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        layer(torch.randn(8, 64)).square().mean().backward()
+        optimizer.step()
+    return {"weights": layer.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+@pytest.mark.parametrize("mode", ["lossless", "lossy"])
+def test_the_listing_names_the_optimizer_states_form_in_every_mode(tmp_path, capsys, mode):
+    # compress_optimizer="lossy" quantizes the moments, unchecked; the listing said "lossless".
+    trained = _optimizer_after_steps()
+    path = tmp_path / "epoch=0.ckpt"
+    shrink.save(trained["weights"], path, extra=trained, compress_optimizer=mode)
+    inspect(argparse.Namespace(path=str(tmp_path)))
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch=")]
+    restored = shrink.load_with_extra(path)[1]["optimizer"]["state"][0]["square_avg"]
+    exact = torch.equal(restored, trained["optimizer"]["state"][0]["square_avg"])
+    assert exact == (mode == "lossless")
+    assert row.endswith("| lossless" if mode == "lossless" else "| lossy (32 levels, unchecked)")

@@ -332,6 +332,36 @@ def test_a_setting_close_to_tau_and_every_keyframe_are_checked_again(tmp_path):
         ChainWriter(recheck_optimizer_every=0)
 
 
+def test_moments_the_last_check_did_not_see_are_checked_before_they_are_stored(tmp_path):
+    # A layer unfrozen (or a parameter group added) mid-run: its new moments were stored in the
+    # setting reused from a check that never saw them.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    model.bias.requires_grad_(False)  # no gradient: Adam keeps no state for it yet
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    shapes = [dict(enumerate(tuple(p.shape) for p in model.parameters()))]
+    writer = ChainWriter(recheck_optimizer_every=5)
+    checked = []
+    for index in range(4):
+        if index == 2:
+            model.bias.requires_grad_(True)
+        adam.zero_grad()
+        model(torch.randn(16, 64)).pow(2).mean().backward()
+        adam.step()
+        calls = []
+
+        def continue_training(weights, states, calls=calls):
+            calls.append(len(calls))
+            return 1.0  # every setting passes: only the moments decide whether to check
+
+        request = ShrinkRequest(continue_training=continue_training, parameter_shapes=shapes)
+        report = writer.save(model.state_dict(), {"optimizer_states": [adam.state_dict()]},
+                             tmp_path / f"{index}.shrunk", request)  # fmt: skip
+        assert report.kind == ("keyframe" if index == 0 else "delta")
+        checked += [index] if calls else []
+    assert checked == [0, 2]  # the bias's moments appeared at 2; 3 reuses that check
+
+
 class Payload:
     """Unpickling this runs code: it writes a marker file."""
 
