@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,14 @@ def spin(seconds: float) -> None:
     end = time.thread_time() + seconds
     while time.thread_time() < end:
         pass
+
+
+def wait_blocked(tid: int) -> None:
+    """Until thread ``tid`` of this process is asleep (its CPU time is then fully accounted)."""
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "S":
+        assert time.monotonic() < deadline, f"thread {tid} never blocked"
+        time.sleep(0.001)
 
 
 @linux_only
@@ -36,20 +45,24 @@ def test_own_clock_counts_this_threads_cpu_not_its_sleep():
 
 @linux_only
 def test_clock_of_another_thread_by_native_id():
-    started, done = threading.Event(), threading.Event()
+    started, spun, done = threading.Event(), threading.Event(), threading.Event()
     ids: list[int] = []
 
     def work() -> None:
         ids.append(threading.get_native_id())
         started.set()
         spin(0.05)
-        done.wait(10)
+        spun.set()
+        done.wait(60)
 
     worker = threading.Thread(target=work)
     worker.start()
-    assert started.wait(10)
+    assert started.wait(60)
     other = ThreadClock(ids[0])
-    time.sleep(0.2)  # meanwhile the worker spins; this thread does not
+    # Meanwhile the worker spins; this thread blocks (no CPU of its own). Wait for the spin to
+    # end, not for a fixed time: on a loaded machine 0.05 s of CPU can take far longer.
+    assert spun.wait(60)
+    wait_blocked(ids[0])  # the kernel adds a running thread's CPU time only at a tick or switch
     ran = other.read()[0]
     done.set()
     worker.join(10)
