@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 
 import lightning as L
 import pandas as pd
@@ -104,7 +105,16 @@ def test_a_probe_raising_in_a_worker_fails_the_replay_with_its_cause_and_keeps_n
     assert not any("probe_value" in column for column in csv_columns(record))
 
 
-def test_a_worker_killed_by_a_signal_fails_the_replay_naming_the_signal(record):
+@pytest.fixture
+def temporary(tmp_path, monkeypatch):
+    """The system's temporary directory, for this test alone (forked workers inherit it)."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+def test_a_worker_killed_by_a_signal_fails_the_replay_naming_the_signal(record, temporary):
     before = replay_rows(record)
     with pytest.raises(ReplayError) as info:
         trainer_for(record).replay(*fresh(), probe=KilledProbe(), epochs=[2, 3], workers=2)
@@ -112,6 +122,16 @@ def test_a_worker_killed_by_a_signal_fails_the_replay_naming_the_signal(record):
     assert "segment 1 (epoch 3): its worker process was killed by SIGKILL" in said
     assert "out-of-memory" in said and "fewer workers" in said
     assert replay_rows(record) == before
+    # The killed worker removed nothing of its own; the replaying process removed it all (the
+    # segments' log folders are made inside one of its own).
+    assert list(temporary.iterdir()) == []
+
+
+def test_a_parallel_replay_leaves_no_temporary_folder(tmp_path, temporary):
+    trainer_for(tmp_path).fit(*fresh())  # a record of its own: the module's keeps no replay
+    result = trainer_for(tmp_path).replay(*fresh(), probe=BuggyProbe(), epochs=[1, 3], workers=2)
+    assert result.mismatches == []
+    assert list(temporary.iterdir()) == []
 
 
 def test_a_probe_raising_in_this_process_raises_its_own_error_and_keeps_nothing(record):
