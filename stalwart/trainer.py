@@ -422,8 +422,10 @@ def _logger_instances(loggers: Any) -> list[Logger] | None:
 _NOT_REPLAYED = (HindsightCallback, Checkpoint, ProgressBar, ModelSummary, Timer)
 
 
-def _replayed(callback: Callback) -> bool:
-    return type(callback) is ModelCheckpoint or not isinstance(callback, _NOT_REPLAYED)
+def _replayed(callback: Callback, checkpointing: bool) -> bool:
+    if type(callback) is ModelCheckpoint:
+        return checkpointing
+    return not isinstance(callback, _NOT_REPLAYED)
 
 
 @dataclass
@@ -435,10 +437,10 @@ class _ReplayCallbacks:
     ``uncopyable``: the callback that could not be copied and why, named when a replay needs
     it, not here (a Trainer that never replays must still fit). ``checkpointing``: whether the
     replay's Trainer may have Lightning's checkpointing (its ``trainer.checkpoint_callback``):
-    every ``Checkpoint`` callback was Lightning's ``ModelCheckpoint``, copied with the rest. A
-    Trainer with another kind (a ``ShrinkCheckpoint``) replays without checkpointing, rather
-    than with Lightning's default ``ModelCheckpoint`` in its place, which would show paths and
-    scores the record never had.
+    every ``ModelCheckpoint`` callback was Lightning's own class, copied with the rest. A
+    Trainer with a subclass (a ``ShrinkCheckpoint``, the user's), alone or beside Lightning's,
+    replays without checkpointing, rather than with Lightning's default ``ModelCheckpoint`` in
+    its place, which would show paths and scores the record never had.
     """
 
     copies: list[Callback]
@@ -448,11 +450,13 @@ class _ReplayCallbacks:
 
     @classmethod
     def of(cls, callbacks: list[Callback]) -> _ReplayCallbacks:
-        kept = [c for c in callbacks if _replayed(c)]
-        timed = any(isinstance(c, Timer) for c in callbacks)
+        # Only ModelCheckpoints make trainer.checkpoint_callback (an OnExceptionCheckpoint
+        # beside one is left out, as every other Checkpoint, and does not stop it being kept).
         checkpointing = all(
-            type(c) is ModelCheckpoint for c in callbacks if isinstance(c, Checkpoint)
+            type(c) is ModelCheckpoint for c in callbacks if isinstance(c, ModelCheckpoint)
         )
+        kept = [c for c in callbacks if _replayed(c, checkpointing)]
+        timed = any(isinstance(c, Timer) for c in callbacks)
         try:
             return cls(copy.deepcopy(kept), timed, checkpointing=checkpointing)
         except Exception:  # whatever stops a copy is reported at replay

@@ -13,7 +13,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 from digits import DigitsClassifier, DigitsDataModule
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 import stalwart
@@ -78,3 +78,35 @@ def test_a_replay_sees_the_records_checkpoint_callback_and_writes_no_file(record
     assert result.mismatches == []  # best_score, as the record logged it
     assert READ and all(recorded[entry[0]] == entry for entry in READ)
     assert checkpoint_files(root) == files  # none written, rewritten or removed
+
+
+
+class BestOnly(ModelCheckpoint):
+    """A user's own subclass: a replay cannot know what its overrides write."""
+
+
+@pytest.mark.parametrize("beside", ["on_exception", "subclass"])
+def test_a_model_checkpoint_beside_another_checkpoint_callback_replays(tmp_path, beside):
+    # Beside an OnExceptionCheckpoint (no ModelCheckpoint) Lightning's is kept, and the module
+    # reads it; beside a subclass of it the replay has none (the module here reads none). Both
+    # replays run and write no file.
+    def callbacks():
+        other = (
+            OnExceptionCheckpoint(tmp_path / "exception")
+            if beside == "on_exception"
+            else BestOnly(tmp_path / "best", monitor="val_loss")
+        )
+        return [EveryEpoch(dirpath=tmp_path / "runs"), ModelCheckpoint(tmp_path / "saved"), other]
+
+    def model_and_data():
+        model, data = fresh()
+        return (model if beside == "on_exception" else DigitsClassifier(width=8)), data
+
+    quiet = {"enable_progress_bar": False, "enable_model_summary": False, "logger": False}
+    stalwart.Trainer(max_epochs=3, callbacks=callbacks(), **quiet).fit(*model_and_data())
+    files = checkpoint_files(tmp_path)
+    READ.clear()
+    replayer = stalwart.Trainer(max_epochs=3, callbacks=callbacks(), **quiet)
+    result = replayer.replay(*model_and_data(), probe=GradProbe(), epochs=[1, 2], workers=2)
+    assert result.mismatches == []
+    assert checkpoint_files(tmp_path) == files
