@@ -352,10 +352,13 @@ def replace_epoch_batches(
 
     def run(data_fetcher: Any) -> None:
         epoch = trainer.current_epoch
-        # A fit restarted inside an epoch's end (from a ModelCheckpoint's file, max_steps set)
-        # runs none of that epoch's batches nor its validation: nothing to restore, and the
-        # record's checkpoint of it holds no state after a last batch. Lightning's run it is.
-        if not skip(epoch) or trainer.fit_loop.restarted_on_epoch_end:
+        # A fit restarted inside an epoch from a file the record did not write (a
+        # ModelCheckpoint's: saved in on_train_epoch_end with max_steps set, or mid-epoch, e.g.
+        # at validation end) runs only what that epoch had left after the file, as the record
+        # did from the same file. If that was no batch, the record's checkpoint of the epoch
+        # holds no state after a last batch to restore: Lightning's run it is.
+        loop = trainer.fit_loop
+        if not skip(epoch) or loop.restarted_on_epoch_end or loop.restarted_mid_epoch:
             return run_batches(data_fetcher)
         restore(epoch)
         # What running the batches leaves: a loop restarted from a file saved inside an epoch
@@ -363,7 +366,10 @@ def replace_epoch_batches(
         # the first training batch after it sets validation not to restart (else this epoch's
         # validation would resume the saved one's progress and skip its batches).
         _Loop.restarting.fset(epoch_loop, False)
-        if epoch_loop._should_check_val_epoch() and trainer.limit_val_batches != 0:
+        # Lightning's own decision after the epoch's last batch, on the restored counters: an
+        # epoch that max_steps ended before its last batch validated only if that batch was a
+        # validation check batch (or a stop was requested), not as a full epoch's end does.
+        if epoch_loop._should_check_val_fx(data_fetcher) and trainer.limit_val_batches != 0:
             trainer.validating = True
             epoch_loop.val_loop.run()
             trainer.training = True

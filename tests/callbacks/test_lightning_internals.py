@@ -164,8 +164,12 @@ def test_private_attributes_the_internals_use_exist(fitted):
     for name in ("_last_global_step_saved", "_last_checkpoint_saved"):
         if not hasattr(saver, name):
             missing.append(f"ModelCheckpoint.{name}")
-    if not isinstance(getattr(loop, "restarted_on_epoch_end", None), bool):
-        missing.append("_FitLoop.restarted_on_epoch_end (a bool)")
+    for name in ("restarted_on_epoch_end", "restarted_mid_epoch"):
+        if not isinstance(getattr(loop, name, None), bool):
+            missing.append(f"_FitLoop.{name} (a bool)")
+    # replace_epoch_batches: a memoized epoch validates when Lightning's own decision says so.
+    if _params(getattr(epoch_loop, "_should_check_val_fx", lambda: None)) != ["data_fetcher"]:
+        missing.append("_TrainingEpochLoop._should_check_val_fx(data_fetcher)")
     module = DigitsClassifier(width=8)
     for name in ("_current_fx_name", "_trainer"):
         if name not in vars(module):
