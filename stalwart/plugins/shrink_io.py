@@ -119,6 +119,9 @@ class ShrinkCheckpointIO(CheckpointIO):
         if request is None and self._request is not None:
             request = self._request()
         if request is None and self.delegate is not None:
+            # A plain save (by hand beside ShrinkCheckpoint) onto a file a live delta was written
+            # against took that delta's base with it, silently.
+            self.writer.before_plain_save(path)
             self.delegate.save_checkpoint(checkpoint, path, storage_options)
             return
         weights = checkpoint["state_dict"]

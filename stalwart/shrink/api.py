@@ -462,7 +462,8 @@ class _MomentPlan:
     raw_bytes: int
     choice: MomentChoice | None
     signature: list
-    lossy: bool = False  # compress_optimizer="lossy": every floating tensor quantized, unchecked
+    #: Whether compress_optimizer="lossy" quantized (unchecked) any of the optimizer's tensors.
+    lossy: bool = False
 
 
 #: How a file written with ``compress_optimizer="lossy"`` names its optimizer state's form.
@@ -489,7 +490,7 @@ def _moment_plan(
     }
     raw = _tensor_bytes([state["state"] for state in states])
     signature = [optimizer_signature(state) for state in states]
-    plan = _MomentPlan({}, ids, raw, None, signature, lossy=mode == "lossy" and bool(states))
+    plan = _MomentPlan({}, ids, raw, None, signature)  # lossy: set once packed (_pack_extra)
     if mode != "auto" or not states:
         return plan
     found = []
@@ -645,12 +646,15 @@ def _pack_extra(
         forms=moments.forms,
         ids=packed_ids,
     )
-    stored = entries_bytes({
-        index: entry
+    optimizer_entries = [
+        entry
         for index, entry in enumerate(packed["tensors"])
         if packed_ids[index] in moments.tensor_ids
-    })  # fmt: skip
-    return packed, stored
+    ]
+    # Named lossy only where "lossy" quantized an optimizer tensor: one without state tensors
+    # (SGD without momentum), or with only small or non-floating ones, is stored exactly.
+    moments.lossy = lossy_extra and any(e["encoding"] == "quantized" for e in optimizer_entries)
+    return packed, entries_bytes(dict(enumerate(optimizer_entries)))
 
 
 def _header(

@@ -249,7 +249,7 @@ class ChainWriter:
             previous = None
         if previous is not None and (
             previous.position + 1 >= self.keyframe_every
-            or not previous.path.exists()
+            or not _still_holds(previous)
             or _location(previous.path) == _location(path)
             or {n: tuple(t.shape) for n, t in weights.items()} != previous.shapes
         ):
@@ -341,6 +341,14 @@ class ChainWriter:
         )  # fmt: skip
         return True
 
+    def before_plain_save(self, path: str | os.PathLike) -> None:
+        """Before another writer (``torch.save``, Lightning's own IO) writes ``path``: if a live
+        delta was written against what it holds, that is moved aside first, as for a save of
+        this writer's (nothing happens for a path no delta needs). The save in flight is waited
+        for: it may be such a delta."""
+        self.wait()
+        _set_aside_if_needed(Path(path), self.chain)
+
     def load(
         self, path: str | os.PathLike, *, weights_only: bool = True
     ) -> tuple[dict[str, torch.Tensor], Any]:
@@ -385,6 +393,25 @@ class ChainWriter:
         for name in sorted(retired - needed):
             (directory / name).unlink(missing_ok=True)
         _write_retired(directory, retired & needed)
+
+
+def _still_holds(previous: ChainState) -> bool:
+    """Whether the chain's last file still holds what this writer wrote there (or read from it).
+
+    A file written over it since (``trainer.save_checkpoint`` by hand onto the newest
+    checkpoint's path writes a plain file; a shrunken one from another writer has another
+    CRC-32) is no base: a delta on it would be written against content no longer on disk and
+    could never be restored, nor could any file after it. The next save is a keyframe instead.
+    """
+    if trailer_crc(previous.path) == previous.crc32:
+        return True
+    if previous.path.exists():
+        log.warning(
+            "%s was replaced since the chain wrote it (a plain save by hand to its path?): the "
+            "next checkpoint starts a new keyframe instead of a delta on it",
+            previous.path,
+        )
+    return False
 
 
 def _location(path: Path) -> Path:

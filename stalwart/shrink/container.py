@@ -26,7 +26,8 @@ from stalwart.shrink.entropy import zstd_compress, zstd_decompress
 
 MAGIC = b"STWSHRK\0"
 END_MAGIC = b"\0KRHSWTS"
-#: The first 4 bytes of a torch.save file: a zip archive (torch >= 1.6), or a pickle (legacy).
+#: The first 4 bytes of a torch.save file: a zip archive (torch >= 1.6), or a pickle (legacy) of
+#: the default protocol 2 (PROTO 2, then the magic number as a LONG1).
 TORCH_SAVE_MAGICS = (b"PK\x03\x04", b"\x80\x02\x8a\x0a")
 # The newest format this stalwart reads. 2 added bfloat16-rounded small tensors, 3 the grouped rANS
 # coder of index streams, 4 byte-plane lossless coding and the optimizer moments' forms (see
@@ -51,9 +52,17 @@ def is_torch_save_file(path: str | os.PathLike) -> bool:
     """True when ``path`` starts as a ``torch.save`` file does (cheap: reads 4 bytes)."""
     try:
         with open(path, "rb") as handle:
-            return handle.read(4) in TORCH_SAVE_MAGICS
+            return _starts_as_torch_save(handle.read(4))
     except (FileNotFoundError, IsADirectoryError):
         return False
+
+
+def _starts_as_torch_save(start: bytes) -> bool:
+    """Whether ``start`` (a file's first bytes) is a zip archive or a pickle's PROTO opcode
+    (``\\x80`` and a protocol 2-5): a legacy torch.save with ``pickle_protocol=4`` starts
+    ``\\x80\\x04\\x95`` and was called truncated, with advice to restore an older file."""
+    pickle = len(start) >= 2 and start[0] == 0x80 and 2 <= start[1] <= 5
+    return pickle or start[:4] in TORCH_SAVE_MAGICS
 
 
 class SectionWriter:
@@ -125,7 +134,7 @@ def read_container(path: str | os.PathLike) -> Container:
             "written. Restore from an earlier checkpoint of the chain (`stalwart shrink inspect`)."
         )
 
-    if data[:4] in TORCH_SAVE_MAGICS:
+    if _starts_as_torch_save(data[:4]):
         # Intact, just not ours (e.g. trainer.save_checkpoint by hand beside ShrinkCheckpoint,
         # which writes plain files): "truncated, restore an earlier one" sent users astray.
         raise CorruptCheckpointError(

@@ -9,14 +9,15 @@ from pathlib import Path
 from stalwart import durable
 from stalwart.errors import ConfigurationError, CorruptCheckpointError
 from stalwart.shrink.api import load_with_extra
-from stalwart.shrink.codec import entries_bytes, superseded_path
+from stalwart.shrink.codec import entries_bytes, real_file, superseded_path
 from stalwart.shrink.container import is_shrunk_file, read_container, read_header, trailer_crc
 from stalwart.shrink.partition import QuantConfig
 
 
 def describe(path: Path) -> dict:
     """One row of ``inspect``: what the file is, what it depends on, how small it is."""
-    container = read_container(path)
+    real = real_file(path)
+    container = read_container(real)
     header = container.header
     weight_stored = container.size - (
         0 if header["extra"] is None else _extra_bytes(header["extra"])
@@ -27,8 +28,9 @@ def describe(path: Path) -> dict:
         "file": path.name,
         "kind": header["kind"],
         "base": None if header["base"] is None else Path(header["base"]["file"]).name,
-        # Where restore looks for it: relative to the file's folder, as the header records it.
-        "base_path": None if header["base"] is None else path.parent / header["base"]["file"],
+        # Where restore looks for it: relative to the file's folder, as the header records it
+        # (the folder of the file a link points to, not the link's: as the decoder reads it).
+        "base_path": None if header["base"] is None else real.parent / header["base"]["file"],
         "base_crc32": None if header["base"] is None else header["base"]["crc32"],
         "position": header["chain_position"],
         "config": "lossless" if config is None else QuantConfig.from_dict(config).describe(),
@@ -108,7 +110,8 @@ def _chain_problem(
     ``known`` holds the answers for files already walked: a chain is shared by its files."""
     walked: list[Path] = []
     crcs = {trailer_crc(path)}
-    current, problem = path, None
+    # A link's bases lie beside the file it points to (codec.real_file, as restore reads them).
+    current, problem = real_file(path), None
     while current not in known:
         walked.append(current)
         header = read_header(current)

@@ -74,18 +74,27 @@ def test_state_dict_that_differs_from_the_chain(tmp_path):
     assert sorted(p.read_bytes() for p in tmp_path.iterdir()) == before
 
 
-@pytest.mark.parametrize("zipped", [True, False])
-def test_a_plain_torch_save_file_is_named_as_such_not_as_torn(tmp_path, zipped):
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"_use_new_zipfile_serialization": False},
+        # A legacy file of another pickle protocol starts b"\x80\x04\x95", not as protocol 2's.
+        {"_use_new_zipfile_serialization": False, "pickle_protocol": 4},
+    ],
+    ids=["zip", "legacy", "legacy-protocol-4"],
+)
+def test_a_plain_torch_save_file_is_named_as_such_not_as_torn(tmp_path, options):
     # What trainer.save_checkpoint writes by hand beside ShrinkCheckpoint: intact, but the error
     # said "truncated or changed after it was written. Restore from an earlier checkpoint".
     path = tmp_path / "plain.ckpt"
-    torch.save({"a": torch.zeros(3)}, path, _use_new_zipfile_serialization=zipped)
+    torch.save({"a": torch.zeros(3)}, path, **options)
     with pytest.raises(CorruptCheckpointError, match="plain.ckpt is a plain torch.save") as error:
         shrink.load(path)
     assert "torch.load" in str(error.value) and "truncated" not in str(error.value)
     # Written over a delta's base, it is a replaced base, named from the delta.
     _chain(tmp_path)
-    torch.save({"a": torch.zeros(3)}, tmp_path / "1.shrunk", _use_new_zipfile_serialization=zipped)
+    torch.save({"a": torch.zeros(3)}, tmp_path / "1.shrunk", **options)
     with pytest.raises(CorruptCheckpointError, match=r"2\.shrunk is a delta on .*replaced"):
         shrink.load(tmp_path / "2.shrunk")
 

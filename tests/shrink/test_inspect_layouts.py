@@ -90,3 +90,17 @@ def test_a_flat_folder_is_listed_as_before(tmp_path, capsys):
     shown, rows = _listing(capsys, tmp_path)
     assert shown.splitlines()[0] == FLAT_HEADER
     assert rows == {"a.shrunk": ("keyframe", "-"), "b.shrunk": ("delta", "a.shrunk")}
+
+
+def test_a_link_to_a_delta_in_another_folder_is_listed_as_restorable(tmp_path, capsys):
+    # The delta's base lies beside the file the link points to, where restore reads it: the
+    # listing looked beside the link, said the base was missing and failed.
+    weights = {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(0))}
+    (tmp_path / "run").mkdir()
+    first = shrink.save(weights, tmp_path / "run" / "0.ckpt")
+    shrink.save({"w": weights["w"] + 0.01}, tmp_path / "run" / "1.ckpt", previous=first)
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / "model.ckpt").symlink_to("../run/1.ckpt")
+    shrink.load(tmp_path / "best" / "model.ckpt")
+    _, rows = _listing(capsys, tmp_path / "best")
+    assert rows == {"model.ckpt": ("delta", "../run/0.ckpt")}

@@ -129,3 +129,19 @@ def test_the_listing_names_the_optimizer_states_form_in_every_mode(tmp_path, cap
     exact = torch.equal(restored, trained["optimizer"]["state"][0]["square_avg"])
     assert exact == (mode == "lossless")
     assert row.endswith("| lossless" if mode == "lossless" else "| lossy (32 levels, unchecked)")
+
+
+def test_lossy_with_no_optimizer_tensors_to_quantize_is_listed_lossless(tmp_path, capsys):
+    # SGD without momentum keeps no state tensors: "lossy" quantized nothing, yet the listing
+    # said "lossy (32 levels, unchecked)".
+    layer = nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    layer(torch.randn(8, 64)).square().mean().backward()
+    optimizer.step()
+    extra = {"optimizer": optimizer.state_dict()}
+    shrink.save(
+        layer.state_dict(), tmp_path / "epoch=0.ckpt", extra=extra, compress_optimizer="lossy"
+    )
+    inspect(argparse.Namespace(path=str(tmp_path)))
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch=")]
+    assert row.endswith("| lossless")

@@ -8,12 +8,13 @@ import lightning as L
 import pytest
 import torch
 from digits import DigitsClassifier, DigitsDataModule
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import stalwart.shrink as shrink
 from stalwart import ShrinkCheckpoint
 from stalwart.cli import main
-from stalwart.plugins import ShrinkCheckpointIO
+from stalwart.plugins import ShrinkCheckpointIO, ShrinkRequest
 from stalwart.shrink.chain import RETIRED_FILE, ChainWriter
 from stalwart.shrink.container import is_shrunk_file, read_header
 from stalwart.shrink.partition import QuantConfig
@@ -164,3 +165,50 @@ def test_a_file_whose_base_was_replaced_keeps_retired_keyframes(tmp_path, caplog
     writer.chain = None
     writer.collect_retired(tmp_path)
     assert not (tmp_path / "keyframe.shrunk").exists()
+
+
+def _plain_save_over(path, seed):
+    torch.save({"state_dict": _weights(seed)}, path)  # trainer.save_checkpoint beside the IO
+
+
+@pytest.mark.parametrize("replacement", ["plain", "other-chain"])
+def test_a_chain_whose_last_file_was_replaced_starts_a_keyframe(tmp_path, caplog, replacement):
+    # A hand save onto the newest checkpoint's path (a plain file beside ShrinkCheckpoint): the
+    # next save was a delta on content no longer on disk, and it and every later file could not
+    # be restored.
+    config = QuantConfig(bins=16)
+    writer = ChainWriter(config=config, compress_optimizer="lossless")
+    writer.save(_weights(0), None, tmp_path / "0.shrunk")
+    writer.save(_weights(1), None, tmp_path / "1.shrunk")
+    if replacement == "plain":
+        _plain_save_over(tmp_path / "1.shrunk", 9)
+    else:  # a shrunken file of another writer's: same name, another CRC-32
+        shrink.save(_weights(9), tmp_path / "1.shrunk", config=config)
+    with caplog.at_level(logging.WARNING, logger="stalwart.shrink.chain"):
+        report = writer.save(_weights(2), None, tmp_path / "2.shrunk")
+    assert report.kind == "keyframe"
+    assert "1.shrunk was replaced" in caplog.text
+    shrink.load(tmp_path / "2.shrunk")
+    assert writer.save(_weights(3), None, tmp_path / "3.shrunk").kind == "delta"
+    shrink.load(tmp_path / "3.shrunk")
+
+
+def test_a_plain_save_over_a_live_base_keeps_it_aside_and_no_other(tmp_path):
+    # ShrinkCheckpoint hands saves without its request (trainer.save_checkpoint by hand) to the
+    # plain IO: one onto a file a delta was written against lost that delta's base.
+    io = ShrinkCheckpointIO(config=QuantConfig(bins=16), delegate=TorchCheckpointIO())
+    request = ShrinkRequest()
+    for step in range(3):
+        io.save_checkpoint({"state_dict": _weights(step)}, tmp_path / f"{step}.ckpt", request)
+    io.save_checkpoint({"state_dict": _weights(7)}, tmp_path / "other.ckpt")  # no base there
+    assert not list(tmp_path.glob(".*superseded*"))
+    io.save_checkpoint({"state_dict": _weights(8)}, tmp_path / "1.ckpt")  # 2.ckpt is on it
+    assert [p.name[:18] for p in tmp_path.glob(".*superseded*")] == [".1.ckpt.superseded"]
+    assert not is_shrunk_file(tmp_path / "1.ckpt")
+    shrink.load(tmp_path / "2.ckpt")
+    assert main(["shrink", "inspect", str(tmp_path)]) == 0
+    io.save_checkpoint({"state_dict": _weights(9)}, tmp_path / "2.ckpt")  # the tip: none needs it
+    assert not list(tmp_path.glob(".2.ckpt.superseded*"))
+    io.save_checkpoint({"state_dict": _weights(3)}, tmp_path / "3.ckpt", request)
+    assert io.reports[-1].kind == "keyframe"  # 2.ckpt, the chain's last file, was replaced
+    shrink.load(tmp_path / "3.ckpt")
