@@ -2,6 +2,9 @@
 
 A fork is a free, consistent snapshot of everything the parent holds; the child must then stay
 out of training's way and leave no trace of the parent's exit code behind.
+
+:func:`describe_exit` says how any child process ended, for the errors of every capability
+that runs them (the PS's processes, the GNN's partitions).
 """
 
 from __future__ import annotations
@@ -46,3 +49,17 @@ def fork_child(work: Callable[[], None]) -> int:
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def describe_exit(code: int) -> str:
+    """How a child process ended, for an error: ``"exit code 1"``, or for a negative code
+    (Popen's way to say a signal ended it) the signal's name: nothing in the run sends a signal
+    to a process it did not mean to kill, so the signal came from outside."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = "; the out-of-memory killer sends it" if name == "SIGKILL" else ""
+    return f"killed by {name} from outside the run{hint}"

@@ -24,7 +24,6 @@ interval pipeline with separate graph/tensor pools inside one process is
 from __future__ import annotations
 
 import logging
-import signal
 import socket
 import time
 from collections import deque
@@ -39,6 +38,7 @@ from torch.nn import functional as F
 
 from stalwart.errors import ConfigurationError
 from stalwart.flat import flatten, unflatten_grads
+from stalwart.forking import describe_exit
 from stalwart.gnn.gate import parse_staleness
 from stalwart.gnn.ghost_buffer import VersionedGhostBuffer
 from stalwart.gnn.graph import IntervalGraph
@@ -331,17 +331,6 @@ def _worker(
 EXIT_GRACE_SECONDS = 30.0
 
 
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        return f"killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
-
-
 def _collect(processes: list, receivers: list) -> list[dict]:
     """Each rank's result; raises as soon as a process ends without sending one (its peers would
     otherwise wait for it in a collective, and this process for them, forever)."""
@@ -359,8 +348,11 @@ def _collect(processes: list, receivers: list) -> list[dict]:
                 del waiting[ready]
         for receiver, rank in list(waiting.items()):
             if processes[rank].exitcode is not None and not receiver.poll():
-                codes = ", ".join(f"rank {r}: {_describe_exit(p.exitcode)}"
-                                  for r, p in enumerate(processes))  # fmt: skip
+                codes = ", ".join(
+                    f"rank {r}: "
+                    + ("still running" if p.exitcode is None else describe_exit(p.exitcode))
+                    for r, p in enumerate(processes)
+                )
                 raise RuntimeError(f"partition process {rank} ended without a result ({codes}); "
                                    "its error, if it raised one, is printed above.")  # fmt: skip
     return outputs

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import stalwart
 from stalwart.errors import StalwartError, StoreUnavailableError
+from stalwart.forking import describe_exit
 from stalwart.ps.resources import peak_rss_kb
 
 #: The parent's ``sys.path`` as JSON, so a child can unpickle a workload defined in a user's
@@ -30,20 +31,6 @@ PARENT_ENV = "STALWART_PS_PARENT"
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(stalwart.__file__)))
 #: Seconds the embedded store may take to publish its port.
 STORE_START_LIMIT = 60.0
-
-
-def describe_exit(code: int) -> str:
-    """How a child process ended, for an error: ``"exit code 1"``, or for a negative code
-    (Popen's way to say a signal ended it) the signal's name: nothing in the run sends a signal
-    to a process it did not mean to kill, so the signal came from outside."""
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = f"signal {-code}"
-    hint = "; the out-of-memory killer sends it" if name == "SIGKILL" else ""
-    return f"killed by {name} from outside the run{hint}"
 
 
 def describe_log(log_path: str, tail: str) -> str:
