@@ -38,6 +38,7 @@ from stalwart.callbacks.lightning_internals import (
     detached_copy,
     fit_ends_after_this_epoch,
     hook_epoch_boundary,
+    skip_fit_end_hooks,
     unhook_epoch_boundary,
     writing_no_files,
 )
@@ -639,10 +640,17 @@ class _StopAtSegmentEnd(Callback):
     every ``on_train_epoch_end``, the epoch-interval LR step), so no hook of the epoch sees a
     stop the record did not have. ``min_epochs``/``min_steps`` would veto the stop there; they
     are lifted then, since nothing of the segment's fit is left to hold back.
+
+    The recorded fit went on from there, so the fit this stops runs no end-of-fit hook
+    (``on_train_end``, ``on_fit_end``) of a callback, probe or the LightningModule: a probe
+    there would see, at every segment's end, a fit end the record never had. The segment that
+    ends where the recorded fit did ends by itself, and runs them once. The replay's own
+    callbacks end in ``teardown``, which every segment runs.
     """
 
     def __init__(self, last_epoch: int) -> None:
         self.last_epoch = last_epoch
+        self._restore_end_hooks = _nothing
 
     def setup(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
         hook_epoch_boundary(trainer, on_end=lambda: self._epoch_ended(trainer), on_error=_nothing)
@@ -655,9 +663,11 @@ class _StopAtSegmentEnd(Callback):
         if not loop._can_stop_early:
             loop.min_epochs = None
             loop.epoch_loop.min_steps = None
+        self._restore_end_hooks = skip_fit_end_hooks(trainer)
 
     def teardown(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
         unhook_epoch_boundary(trainer)
+        self._restore_end_hooks()
 
 
 def _nothing() -> None:

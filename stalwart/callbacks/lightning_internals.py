@@ -19,7 +19,9 @@ equivalent, and each function says what it needs and why:
   callback, which the record charges to itself for every hook of every batch, and that this
   dispatch skips a hook that is not callable (so a callback's unused hooks cost nothing).
 - a ``ModelCheckpoint`` that decides as usual but writes, links and deletes no file (a replay's,
-  for user code reading ``trainer.checkpoint_callback``): its saving and removing methods.
+  for user code reading ``trainer.checkpoint_callback``): its saving and removing methods;
+- a fit stopped without its end-of-fit hooks (a replay segment that ends where the recorded fit
+  went on): that same dispatch's skipping, by instance attributes.
 
 ``pyproject.toml`` bounds Lightning to the range these were written against, and
 ``tests/callbacks/test_lightning_internals.py`` fails loudly, naming the attribute, when an
@@ -239,6 +241,41 @@ def hook_epoch_boundary(
 
 def unhook_epoch_boundary(trainer: Trainer) -> None:
     vars(trainer.fit_loop).pop("on_advance_end", None)
+
+
+#: The hooks Lightning hands every callback, then the LightningModule, once a fit's loop is done:
+#: ``on_train_end`` from the fit loop's ``on_run_end``, ``on_fit_end`` from the Trainer's ``_run``.
+FIT_END_HOOKS = ("on_train_end", "on_fit_end")
+
+
+def skip_fit_end_hooks(trainer: Trainer) -> Callable[[], None]:
+    """Keep the fit that is ending from handing :data:`FIT_END_HOOKS` to its callbacks and its
+    LightningModule; returns what puts them back.
+
+    Lightning calls both whatever stopped the fit, and ``on_fit_end`` comes between the Trainer's
+    internal teardown and the ``teardown`` hooks, with no hook of its own to intercept it. So
+    each one is shadowed on the instances by None until put back: the dispatch
+    (``call._call_callback_hooks``, ``call._call_lightning_module_hook``) skips a hook that is
+    not callable. The strategy's ``on_train_end``, the Trainer's internal teardown and every
+    ``teardown`` hook still run.
+    """
+    absent = object()
+    shadowed = [
+        (vars(owner), name, vars(owner).get(name, absent))  # a FunctionProbe's own, say
+        for owner in [*trainer.callbacks, trainer.lightning_module]
+        for name in FIT_END_HOOKS
+    ]
+    for attributes, name, _ in shadowed:
+        attributes[name] = None
+
+    def restore() -> None:
+        for attributes, name, before in shadowed:
+            if before is absent:
+                attributes.pop(name, None)
+            else:
+                attributes[name] = before
+
+    return restore
 
 
 def fit_ends_after_this_epoch(trainer: Trainer) -> bool:

@@ -1,6 +1,6 @@
 """What a replay segment's Trainer gives the code it runs again: a log folder of its own where
-the recorded Trainer had loggers, no stop from a time limit that never fired, and the record's
-``max_steps``."""
+the recorded Trainer had loggers, no stop from a time limit that never fired, the record's
+``max_steps``, and no end of the fit where the recorded fit went on."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from digits import DigitsClassifier, DigitsDataModule
 from lightning.pytorch.loggers import CSVLogger
 
 import stalwart
-from tests.helpers import QUIET, GradProbe
+from tests.helpers import QUIET, EveryEpoch, GradProbe
 
 
 def data() -> DigitsDataModule:
@@ -86,3 +86,66 @@ def test_a_run_max_steps_stopped_replays_to_that_step_from_a_trainer_without_it(
     result = fresh.replay(DigitsClassifier(width=8), data(), probe=GradProbe(), epochs=[2])
     assert result.mismatches == []
     assert result.metrics("grad_norm").step.tolist() == [8, 9]
+
+
+#: Where the end-of-fit hooks below note their calls (set by the test; a forked worker inherits
+#: it): a file, since a worker's objects never come back and Lightning refuses ``self.log`` there.
+END_NOTES: list[Path] = []
+
+
+def note_end(hook: str, trainer, pl_module) -> None:
+    with open(END_NOTES[0], "a") as file:
+        file.write(f"{hook} {trainer.current_epoch} {float(pl_module.net[0].weight.norm())!r}\n")
+
+
+class NotesItsEnd(DigitsClassifier):
+    def on_train_end(self) -> None:
+        note_end("module.on_train_end", self.trainer, self)
+
+    def on_fit_end(self) -> None:
+        note_end("module.on_fit_end", self.trainer, self)
+
+
+class FinalWeightsProbe(GradProbe):
+    """Inner-loop, and "logs the final weight norm" when the fit ends."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        note_end("probe.on_train_end", trainer, pl_module)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        note_end("probe.on_fit_end", trainer, pl_module)
+
+
+def end_notes() -> list[str]:
+    notes = END_NOTES[0].read_text().splitlines() if END_NOTES[0].exists() else []
+    END_NOTES[0].unlink(missing_ok=True)
+    return sorted(notes)
+
+
+def test_only_the_segment_that_ends_where_the_record_did_runs_the_end_of_fit_hooks(tmp_path):
+    END_NOTES[:] = [tmp_path / "end_notes.txt"]
+
+    def trainer(root, probes=()):
+        record = EveryEpoch(dirpath=str(root))  # a fixed plan: segments [0, 1] and [2, 3]
+        return stalwart.Trainer(max_epochs=4, callbacks=[*probes, record], **QUIET)
+
+    L.seed_everything(0)
+    trainer(tmp_path / "truth", [FinalWeightsProbe()]).fit(NotesItsEnd(width=8), data())
+    truth = end_notes()  # the run with the probe from the start: each hook once, at epoch 4
+    assert len(truth) == 4 and all(" 4 " in note for note in truth)
+    L.seed_everything(0)
+    trainer(tmp_path / "runs").fit(NotesItsEnd(width=8), data())
+    end_notes()
+    for workers in (2, 1):
+        result = trainer(tmp_path / "runs").replay(
+            NotesItsEnd(width=8), data(), probe=FinalWeightsProbe(), workers=workers
+        )
+        assert len(result.segments) == workers and result.mismatches == []
+        # Segment [0, 1] stops where the recorded fit went on: no end of fit there.
+        assert end_notes() == truth, workers
+    # A replay that ends before the record did runs none of them.
+    result = trainer(tmp_path / "runs").replay(
+        NotesItsEnd(width=8), data(), probe=FinalWeightsProbe(), epochs=[1]
+    )
+    assert result.mismatches == [] and sorted(set(result.metrics("grad_norm").epoch)) == [1]
+    assert end_notes() == []
