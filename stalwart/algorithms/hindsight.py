@@ -712,7 +712,9 @@ class _SegmentEnd:
 
 
 def _segment_ends(setup: core.ReplaySetup, segments: list[Segment]) -> list[_SegmentEnd]:
-    last = setup.recorded[-1] if setup.recorded else None
+    # A fit that failed (or was still running) ended nowhere: no segment ends where it did.
+    ended = setup.run.status == "completed"
+    last = setup.recorded[-1] if setup.recorded and ended else None
     return [
         _SegmentEnd(segment.last_epoch, setup.stop_step(segment), segment.last_epoch == last)
         for segment in segments
@@ -828,11 +830,39 @@ def _replay_segment(
     trainer.state.callbacks.extend(probes)
     _attach(trainer.state, trainer.logger, driver.destination)
     length.apply(trainer.state, index)
+    restore = _nothing if length.ends[index].ends_fit else _skip_fit_end(trainer.engine)
     try:
         trainer.fit()
     finally:
+        restore()
         driver.finish()
         trainer.close()
+
+
+def _skip_fit_end(engine: Engine) -> Callable[[], None]:
+    """Keep ``engine`` from handing ``Event.FIT_END`` to the Trainer's algorithms and callbacks
+    (probes included); returns what puts it back.
+
+    For a segment that stops before the record's end: the recorded fit went on there, so a
+    probe's ``fit_end`` (or an algorithm matching ``FIT_END``, an ``ExportForInferenceCallback``)
+    would see, at every segment's end, a fit end the record never had. The segment that ends
+    where the recorded fit did keeps it, and runs it once. ``close`` and ``post_close``, which
+    release what callbacks hold, still run in every segment's ``trainer.close()``. Shadowed on
+    the instance, as the Trainer calls ``self.engine.run_event(Event.FIT_END)``.
+    """
+    run_event = engine.run_event
+
+    def run_event_but_fit_end(event: Event | str, *args: Any, **kwargs: Any) -> Any:
+        if event == Event.FIT_END:
+            return {}  # the traces of no algorithm
+        return run_event(event, *args, **kwargs)
+
+    engine.run_event = run_event_but_fit_end  # type: ignore[method-assign]
+    return lambda: vars(engine).pop("run_event", None)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _ends_after_this_epoch(state: State) -> bool:

@@ -4,6 +4,8 @@
   whole run (``t_max="1dur"``) used to see the segment's end as the run's end.
 - It runs no ``CheckpointSaver`` of the factory's: one used to overwrite the run's own files.
 - What it logs at the end of the fit, when it ends where the recorded fit did, is kept.
+- Only the segment that ends where the recorded fit did hands ``FIT_END`` to the callbacks,
+  probes and algorithms; every segment's Trainer still closes them.
 - The deferred check does not compare series that time the run (``SpeedMonitor``).
 """
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from composer import Callback
+from composer import Algorithm, Callback, Event
 from composer.callbacks import CheckpointSaver, SpeedMonitor
 from composer.loggers import InMemoryLogger
 from composer.optim import CosineAnnealingWithWarmupScheduler
@@ -151,6 +153,94 @@ def test_what_a_probe_logs_when_the_fit_ends_is_kept(named_record):
     # A segment that stops before the record's end logs nothing the recorded fit logged there.
     middle = replay(factory, probe=FinalSum(), epochs=[0], loggers=None)
     assert middle.metrics("probe/final_sum").empty
+
+
+class Noting(Callback):
+    """Notes, in a file (segments run in worker processes), each end-of-fit hook it gets."""
+
+    def __init__(self, path: Path, who: str) -> None:
+        self.path, self.who = path, who
+
+    def _note(self, what: str, epoch: int | None = None) -> None:
+        with open(self.path, "a") as file:
+            file.write(f"{self.who} {what} {epoch}\n")
+
+    def fit_end(self, state, logger) -> None:
+        self._note("fit_end", int(state.timestamp.epoch))
+
+    def close(self, state, logger) -> None:
+        self._note("close")
+
+    def post_close(self) -> None:
+        self._note("post_close")
+
+
+class NotingAlgorithm(Algorithm):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def match(self, event, state) -> bool:
+        return event == Event.FIT_END
+
+    def apply(self, event, state, logger) -> None:
+        with open(self.path, "a") as file:
+            file.write(f"algorithm fit_end {int(state.timestamp.epoch)}\n")
+
+
+def test_only_the_segment_that_ends_where_the_record_did_runs_the_end_of_fit(tmp_path):
+    # Each segment's fit used to end with FIT_END although the recorded fit went on there: a
+    # probe's fit_end ran at every segment's end, once per worker.
+    notes = tmp_path / "notes.txt"
+    hindsight = EveryEpoch(tmp_path / "record")
+
+    def factory(**overrides):
+        return make_trainer(
+            epochs=3, algorithms=[hindsight, NotingAlgorithm(notes)],
+            callbacks=[Noting(notes, "callback")], **overrides,
+        )  # fmt: skip
+
+    trainer = factory()
+    trainer.fit()
+    trainer.close()
+    ended = ["algorithm fit_end 3", "callback fit_end 3"]
+    closed = ["callback close None", "callback post_close None"]
+    assert notes.read_text().splitlines() == [*ended, *closed]  # the record's
+
+    def replayed(epochs, workers):
+        notes.unlink()
+        probe = Noting(notes, "probe")
+        result = replay(factory, probe=probe, epochs=epochs, workers=workers, loggers=None)
+        assert result.mismatches == [] and len(result.segments) == workers
+        return sorted(notes.read_text().splitlines())
+
+    probe_closed = ["probe close None", "probe post_close None"]
+    # Two segments (the reference Trainer the replay builds closes too, without a fit).
+    assert replayed([0, 1, 2], 2) == sorted(
+        [*ended, "probe fit_end 3", *closed * 3, *probe_closed * 2]
+    )
+    assert replayed([0], 1) == sorted([*closed * 2, *probe_closed])  # no fit end at all
+
+
+class FailsInEpoch1(Callback):
+    def batch_end(self, state, logger) -> None:
+        if int(state.timestamp.epoch) == 1 and int(state.timestamp.batch_in_epoch) == 5:
+            raise RuntimeError("boom")
+
+
+def test_no_segment_of_a_failed_record_runs_the_end_of_fit(tmp_path):
+    # The fit failed inside epoch 1 and never ended: the segment ending after epoch 0 (the last
+    # the record noted) used to hand its probes a FIT_END there.
+    hindsight = EveryEpoch(tmp_path / "record")
+    factory = lambda **overrides: make_trainer(epochs=3, algorithms=[hindsight], **overrides)  # noqa: E731
+    trainer = factory(callbacks=[FailsInEpoch1()])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit()
+    trainer.close()
+    notes = tmp_path / "notes.txt"
+    with pytest.warns(UserWarning, match="epoch 1"):  # it cannot be replayed
+        result = replay(factory, probe=Noting(notes, "probe"), loggers=None)
+    assert [s.last_epoch for s in result.segments] == [0] and result.mismatches == []
+    assert notes.read_text().splitlines() == ["probe close None", "probe post_close None"]
 
 
 def test_a_run_is_found_by_its_composer_run_name(named_record):
