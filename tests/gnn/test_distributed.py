@@ -37,18 +37,24 @@ def test_sync_partitions_equal_single_process_full_graph_training():
 
 
 def test_bounded_staleness_across_processes_with_a_straggler():
-    bound = 1
+    bound, delay = 1, 0.04
     out = run_partitions(sbm(num_nodes=300, seed=6), world_size=2, staleness=bound, epochs=EPOCHS,
-                         straggler_rank=1, straggler_delay=0.02, evaluate=False)  # fmt: skip
+                         straggler_rank=1, straggler_delay=delay, evaluate=False)  # fmt: skip
     for rank in out:
         assert len(rank["gate_log"]) == EPOCHS
         assert all(epoch - low <= bound for epoch, low in rank["gate_log"])
         for epoch, _, _, oldest, _ in rank["reads"]:
             assert oldest >= epoch - bound - 1
-    # The fast process did run ahead on stale rows (and the straggler never had to wait as long).
+    # The fast process did run ahead on stale rows, as far as the bound allows ...
     fast = out[0]
     assert max(epoch - oldest for epoch, _, kind, oldest, _ in fast["reads"] if kind == "act") == 2
-    assert fast["waited"] > out[1]["waited"]
+    # ... and then had to wait at the gate: it may start epoch e only once the straggler finished
+    # e - 2, so over the run it waits out about the straggler's injected sleeps of epochs 0..7
+    # (4 layer tasks an epoch); without the gate it would wait ~0. Half of that leaves room for
+    # the fast process being descheduled on a loaded machine (seen: ~0.3 s in all); the
+    # straggler's own wait is not compared, it only waits when load stalls the fast process.
+    injected = (EPOCHS - 2) * 4 * delay
+    assert fast["waited"] >= injected / 2, (fast["waited"], injected)
     # Every replica applied the same updates in the same order.
     for name, value in out[0]["params"].items():
         assert torch.equal(value, out[1]["params"][name])

@@ -17,18 +17,30 @@ from stalwart.pipeline.placement import ClusterPlan, plan_cluster
 from stalwart.pipeline.workloads import IN_MEMORY, DigitsMLP
 
 STEPS = 5
-TWO = dict(num_stages=4, num_microbatches=4, num_pipelines=2, steps=STEPS, batch_size=32)
+# Hang guards, not measurements: 8 ranks polling the store (2 ms sleeps) on a loaded CI machine
+# can take seconds a step. Every kill here is detected by the agent's dead/<rank> report, never by
+# failure_timeout, which only bounds how long a *live* rank may take to reach the commit or the
+# rendezvous: at the default 10 s a slow live rank could be left out of a recovery (an extra or
+# wrong event). An unloaded run is no slower for either limit; a regression that makes a live
+# pipeline hang until the failure timeout (see the slow-stage test) still fails, only later.
+FAILURE_TIMEOUT = 60.0
+LAUNCH_TIMEOUT = 240
+TEST_TIMEOUT = 2 * LAUNCH_TIMEOUT + 60  # the module's one-pipeline run and the test's own launch
+TWO = dict(num_stages=4, num_microbatches=4, num_pipelines=2, steps=STEPS, batch_size=32,
+           failure_timeout=FAILURE_TIMEOUT)  # fmt: skip
 
 
 def run(faults=(), **overrides):
     job = PipelineJob(**{**TWO, "verify_replicas": True, **overrides})
-    return launch(job, faults=faults, timeout=90)
+    return launch(job, faults=faults, timeout=LAUNCH_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def one_pipeline():
     """The same global batch (32 samples, 8 micro-batches of 4) through one pipeline."""
-    return launch(PipelineJob(num_stages=4, num_microbatches=8, steps=STEPS, batch_size=32))
+    job = PipelineJob(num_stages=4, num_microbatches=8, steps=STEPS, batch_size=32,
+                      failure_timeout=FAILURE_TIMEOUT)  # fmt: skip
+    return launch(job, timeout=LAUNCH_TIMEOUT)
 
 
 def assert_trains_like_one_pipeline(result, one_pipeline):
@@ -47,7 +59,7 @@ def assert_copies_identical(result, from_step=0):
     assert checked
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(TEST_TIMEOUT)
 def test_two_pipelines_sum_gradients_and_train_like_one(one_pipeline):
     result = run()
     assert not result.events
@@ -56,7 +68,7 @@ def test_two_pipelines_sum_gradients_and_train_like_one(one_pipeline):
     assert {len(roles) for roles in result.digests.values()} == {4}  # 2 owners + 2 replicas
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(TEST_TIMEOUT)
 def test_kill_in_one_pipeline_the_other_waits_at_the_all_reduce(one_pipeline):
     # Rank 6 runs stage 2 of pipeline 1; killed mid-backward of step 2.
     result = run([Fault(rank=6, step=2, phase="backward", microbatch=5)])
@@ -72,7 +84,7 @@ def test_kill_in_one_pipeline_the_other_waits_at_the_all_reduce(one_pipeline):
     assert_copies_identical(result)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(TEST_TIMEOUT)
 def test_consecutive_kills_drop_a_pipeline_to_standby_without_a_checkpoint(one_pipeline):
     # Stages 1 and 2 of pipeline 1 lost together: no replica left for stage 1 there.
     faults = [Fault(rank=5, step=2, phase="forward"), Fault(rank=6, step=2, phase="forward")]
@@ -121,7 +133,7 @@ class _SlowStage2(DigitsMLP):
         return [*out[:6], _SlowBackwardLayer(), *out[6:]]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(TEST_TIMEOUT)
 def test_a_slow_stage_does_not_make_the_whole_pipeline_redo_its_step(one_pipeline):
     # Stage 2 is slow in backward: stage 3 sends its last gradient before stage 2 posts the
     # receive, reaches the all-reduce, sees rank 6 dead and drops its links. That gradient must

@@ -27,10 +27,15 @@ def _during(result, kill: dict) -> int:
 
 
 def test_stateless_beats_checkpointing_when_the_run_ends_right_after_long_outages(tmp_path):
-    # Two 1.5 s outages; the run stops 0.3 s after the second restart. Both modes are killed at
-    # the same wall-clock times and train for the same time.
-    downtime, kills_at = 1.5, (1.0, 3.5)
-    duration = kills_at[-1] + downtime + 0.3
+    # Two 2 s outages; the run stops 0.45 s after the second restart. Both modes are killed at
+    # the same wall-clock times and train for the same time, but checkpoint-async trains only
+    # while its PS is up: 1.45 s of the 5.45 (less the updates each restart rolls back). With
+    # 2.3 s up (1.5 s outages from 1.0 s) it came within 0.006 of the stateless run's accuracy
+    # on a loaded machine: both near this small CNN's ceiling. The stateless run's last update
+    # merges two trajectories of hundreds of local steps, which can cost accuracy (0.76-0.90
+    # seen when the run ended 0.3 s after the restart); the rest of the 0.45 s repairs it.
+    downtime, kills_at = 2.0, (0.5, 3.0)
+    duration = kills_at[-1] + downtime + 0.45
     results = {}
     for mode in ("stateless", "checkpoint-async"):
         config = PSConfig(
@@ -58,7 +63,15 @@ def test_stateless_beats_checkpointing_when_the_run_ends_right_after_long_outage
     summary = stateless.summary()
     assert summary["updates"] == stateless.updates
     assert max(b["gradients"] for b in summary["backlog_updates"]) >= 200
-    # The point of it all: the outages' work is progress.
+    # The point of it all: the outages' work is progress. The stateless run applied every
+    # gradient its workers produced, through both outages (1900-2600 in four loaded runs);
+    # checkpoint-async's workers waited for a PS that was down, and its restarts rolled back
+    # what they had done since the last checkpoint (170-260 applied).
+    assert stateless.applied >= 3 * checkpoint.applied
+    # So the stateless weights learned the task (0.96-0.99 in those runs, 0.76-0.90 where the
+    # run ended 0.3 s after the restart; chance is 0.1), and beat checkpoint-async's (0.23-0.74).
+    # The floor is set well below those: a run's last sample swings with its last updates.
+    assert stateless.final_accuracy > 0.5
     assert stateless.final_accuracy >= checkpoint.final_accuracy
 
 
