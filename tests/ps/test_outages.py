@@ -64,13 +64,14 @@ def test_stateless_beats_checkpointing_when_the_run_ends_right_after_long_outage
     assert summary["updates"] == stateless.updates
     assert max(b["gradients"] for b in summary["backlog_updates"]) >= 200
     # The point of it all: the outages' work is progress. The stateless run applied every
-    # gradient its workers produced, through both outages (1900-2600 in four loaded runs);
+    # gradient its workers produced, through both outages (1300-2800 in eight loaded runs);
     # checkpoint-async's workers waited for a PS that was down, and its restarts rolled back
-    # what they had done since the last checkpoint (170-260 applied).
+    # what they had done since the last checkpoint (140-390 applied: 5.4 to 20 times fewer).
     assert stateless.applied >= 3 * checkpoint.applied
-    # So the stateless weights learned the task (0.96-0.99 in those runs, 0.76-0.90 where the
-    # run ended 0.3 s after the restart; chance is 0.1), and beat checkpoint-async's (0.23-0.74).
-    # The floor is set well below those: a run's last sample swings with its last updates.
+    # So the stateless weights learned the task (0.94-0.98 in those runs; chance is 0.1), and
+    # beat checkpoint-async's (0.33-0.74, once 0.93). The floor is set well below those: a
+    # merge of two long trajectories can cost accuracy (0.73-0.90 seen when fewer updates
+    # followed it), and a run's last sample swings with its last updates.
     assert stateless.final_accuracy > 0.5
     assert stateless.final_accuracy >= checkpoint.final_accuracy
 
