@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +13,6 @@ from typing import Any
 import torch
 
 from stalwart.errors import ConfigurationError
-from stalwart.shrink import background
 from stalwart.shrink.codec import (
     ChainState,
     bfloat16_entry,
@@ -28,6 +25,7 @@ from stalwart.shrink.codec import (
     unpack_object,
 )
 from stalwart.shrink.container import SectionWriter
+from stalwart.shrink.cores import ThreadChoice
 from stalwart.shrink.entropy import DEFAULT_CODER, check_coder
 from stalwart.shrink.moments import (
     LOSSLESS,
@@ -151,34 +149,6 @@ def _check_matches(state_dict: Mapping[str, torch.Tensor], chain: ChainState) ->
     )
 
 
-@contextlib.contextmanager
-def every_core() -> Iterator[None]:
-    """Let torch use every core this process may run on, for a while.
-
-    Training waits while a checkpoint is shrunk, so the search's scoring forwards and the
-    continuation check may use the cores training leaves idle (the char transformer trained with
-    one torch thread on 2 cores: 14.4 s -> 8.6 s of compression for 10 checkpoints). Restored
-    afterwards.
-    """
-    before = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    # From another thread (e.g. Lightning's AsyncCheckpointIO) or a background save's child
-    # training goes on meanwhile (torch's thread count is the whole process's): leave it.
-    if (
-        not cores
-        or cores <= before
-        or threading.current_thread() is not threading.main_thread()
-        or background.in_child()
-    ):
-        yield
-        return
-    torch.set_num_threads(cores)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def save(
     state_dict: Mapping[str, torch.Tensor],
     path: str | os.PathLike,
@@ -273,8 +243,12 @@ def save(
     # torch's threads slow down: packing the char transformer's first moments took 0.23-0.35 s on
     # training's one thread and 0.29-1.70 s on two (docs/measurements/shrink.md), so it stays on
     # training's.
+    # The forwards run on training's threads or every core, whichever the clock says is faster
+    # (stalwart.shrink.cores); the choice lives on the search, which an adapter keeps across saves.
+    choice = search.threads if search is not None else ThreadChoice()
+    timed = screen if screen is not None else evaluate
     evaluate, screen, continue_training = (
-        None if function is None else every_core()(function)  # a fresh context per call
+        None if function is None else choice.wrap(function, timed=function is timed)
         for function in (evaluate, screen, continue_training)
     )
     exact = _non_finite(state_dict)

@@ -32,7 +32,7 @@ _in_flight: set[ForkedCall] = set()
 
 def in_child() -> bool:
     """True inside a background save's child: it shares the cores with training, which goes on
-    meanwhile, so it keeps one torch thread (``stalwart.shrink.api.every_core`` asks this)."""
+    meanwhile, so it keeps one torch thread (``stalwart.shrink.cores.spare_cores`` asks this)."""
     return _in_child
 
 

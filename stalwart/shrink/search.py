@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from stalwart.errors import ConfigurationError
+from stalwart.shrink.cores import ThreadChoice
 from stalwart.shrink.entropy import check_coder
 from stalwart.shrink.partition import (
     BIN_CHOICES,
@@ -258,6 +259,9 @@ class ConfigSearch:
         self.per_type = per_type
         self.screen_accept = screen_accept
         self.previous: QuantConfig | None = None
+        #: How many torch threads the scoring runs on, timed across this search's saves (not part
+        #: of :meth:`state_dict`: a measurement of this machine now, not of the run).
+        self.threads = ThreadChoice()
 
     @property
     def bound(self) -> float:

@@ -279,14 +279,38 @@ def one_thread_of_three_cores(monkeypatch):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("fails", [False, True])
-def test_a_save_scores_on_every_core_and_gives_training_its_threads_back(
-    tmp_path, one_thread_of_three_cores, fails, monkeypatch
+class MachineClock:
+    """A clock that moves only when a scorer runs: ``per_thread[n]`` seconds per call on n torch
+    threads (a quiet machine: more threads faster; a busy one: slower)."""
+
+    def __init__(self, per_thread: dict[int, float]) -> None:
+        self.now = 0.0
+        self.per_thread = per_thread
+
+    def __call__(self) -> float:
+        return self.now
+
+    def run(self) -> None:
+        self.now += self.per_thread[torch.get_num_threads()]
+
+
+@pytest.mark.parametrize(
+    ("machine", "fails"),
+    [("quiet", False), ("busy", False), ("quiet", True)],
+)
+def test_a_save_scores_on_the_faster_thread_count_and_gives_training_its_threads_back(
+    tmp_path, one_thread_of_three_cores, machine, fails, monkeypatch
 ):
     # Training waits while a checkpoint is shrunk: the search's forwards may use the cores it
-    # leaves idle; the codec's many small tensor operations stay on training's thread count,
-    # where they ran faster and steadier than on two (docs/measurements/shrink.md).
-    seen = one_thread_of_three_cores
+    # leaves idle, where they are idle. Where another process keeps them busy, torch's threads
+    # wait for the slowest at every operation and one thread is faster: the screen is timed on
+    # both counts once, then everything runs on the faster. The codec's many small tensor
+    # operations stay on training's thread count, where they ran faster and steadier than on two
+    # (docs/measurements/shrink.md).
+    # seconds per call on 3 or 1 threads (within one save, nothing is timed again: REPROBE_SECONDS)
+    clock = MachineClock({3: 0.01, 1: 0.02} if machine == "quiet" else {3: 0.04, 1: 0.022})
+    search = shrink.ConfigSearch(tau=0.05)
+    search.threads.clock = clock
     quantized_on = []
     quantize = TensorAnalysis.quantize
 
@@ -295,15 +319,20 @@ def test_a_save_scores_on_every_core_and_gives_training_its_threads_back(
         return quantize(self, *args, **kwargs)
 
     monkeypatch.setattr(TensorAnalysis, "quantize", counting_quantize)
+    screened, scored, continued = [], [], []
 
-    def evaluate(state):
-        seen.append(torch.get_num_threads())
-        if fails:
-            raise RuntimeError("scoring failed")
-        return 1.0
+    def scorer(calls):
+        def score(state):
+            calls.append(torch.get_num_threads())
+            clock.run()
+            if fails:
+                raise RuntimeError("scoring failed")
+            return 1.0 + (state["w"] - weights["w"]).square().mean().item()
+
+        return score
 
     def continue_training(weights, states):
-        seen.append(torch.get_num_threads())
+        continued.append(torch.get_num_threads())
         return 1.0
 
     weights = {"w": torch.randn(64, 64)}
@@ -312,17 +341,46 @@ def test_a_save_scores_on_every_core_and_gives_training_its_threads_back(
     model(torch.randn(4, 64)).sum().backward()
     optimizer.step()
     kwargs = dict(
-        evaluate=evaluate, screen=evaluate, extra={"optimizer": optimizer.state_dict()},
-        compress_optimizer="auto", continue_training=continue_training,
+        evaluate=scorer(scored), screen=scorer(screened), search=search,
+        extra={"optimizer": optimizer.state_dict()}, compress_optimizer="auto",
+        continue_training=continue_training, screen_accept=0.0,
     )  # fmt: skip
     if fails:
         with pytest.raises(RuntimeError, match="scoring failed"):
             shrink.save(weights, tmp_path / "x.shrunk", **kwargs)
+        assert screened == [3]
     else:
         shrink.save(weights, tmp_path / "x.shrunk", **kwargs)
-        assert len(seen) > 2  # the reference and a candidate screened, the continuations
-    assert seen and set(seen) == {3}
+        faster = 3 if machine == "quiet" else 1
+        # the reference on every core, one candidate on training's thread, then the faster
+        assert len(screened) > 3 and screened[:2] == [3, 1], screened
+        assert set(screened[2:]) == {faster}, screened
+        assert scored and set(scored) == {faster}
+        assert continued and set(continued) == {faster}
     assert quantized_on and set(quantized_on) == {1}
+    assert torch.get_num_threads() == 1
+
+
+def test_a_choice_of_one_thread_tries_every_core_again_after_a_while(one_thread_of_three_cores):
+    # While on every core a slowdown shows in its own timings; while on one thread nothing shows
+    # that the other cores are free again, so they are timed again after REPROBE_SECONDS.
+    seen = one_thread_of_three_cores
+    clock = MachineClock({3: 4.0, 1: 2.2})  # busy
+    choice = shrink.ConfigSearch().threads
+    choice.clock = clock
+    screen = choice.wrap(lambda: seen.append(torch.get_num_threads()) or clock.run(), timed=True)
+    scorer = choice.wrap(lambda: seen.append(-torch.get_num_threads()), timed=False)
+    for _ in range(4):
+        screen()
+    scorer()
+    assert seen == [3, 1, 1, 1, -1]
+    clock.now += choice.reprobe_seconds + 1
+    clock.per_thread = {3: 1.0, 1: 2.0}  # the other process is gone
+    screen(), screen(), scorer()
+    assert seen[5:] == [3, 3, -3]
+    clock.per_thread = {3: 4.0, 1: 2.2}  # and back: the slowdown shows at once
+    screen(), screen(), scorer()
+    assert seen[8:] == [3, 1, -1]
     assert torch.get_num_threads() == 1
 
 
