@@ -259,9 +259,7 @@ class ConfigSearch:
         self.per_type = per_type
         self.screen_accept = screen_accept
         self.previous: QuantConfig | None = None
-        #: How many torch threads the scoring runs on, timed across this search's saves (not part
-        #: of :meth:`state_dict`: a measurement of this machine now, not of the run).
-        self.threads = ThreadChoice()
+        self.threads = ThreadChoice()  # the scoring's thread count: this machine now, not saved
 
     @property
     def bound(self) -> float:
