@@ -238,13 +238,13 @@ def save(
         raise ConfigurationError(f"cannot write {path}: directory {path.parent} does not exist")
     chain = _checked_inputs(state_dict, path, previous)
     state_dict = {name: t.detach().cpu() for name, t in state_dict.items()}
-    # Only the model's forwards and backwards gain from the idle cores. The codec's work (masks,
+    # Only the model's forwards and backwards may gain from idle cores, and they run on training's
+    # threads or every core, whichever the clock says is faster (stalwart.shrink.cores; the choice
+    # lives on the search, which an adapter keeps across saves). The codec's work (masks,
     # sketches, k-means, entropy coding) is many operations on tensors of ~10^4-10^5 elements that
     # torch's threads slow down: packing the char transformer's first moments took 0.23-0.35 s on
     # training's one thread and 0.29-1.70 s on two (docs/measurements/shrink.md), so it stays on
     # training's.
-    # The forwards run on training's threads or every core, whichever the clock says is faster
-    # (stalwart.shrink.cores); the choice lives on the search, which an adapter keeps across saves.
     choice = search.threads if search is not None else ThreadChoice()
     timed = screen if screen is not None else evaluate
     evaluate, screen, continue_training = (

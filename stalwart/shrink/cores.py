@@ -13,12 +13,11 @@ whichever count was faster.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -45,17 +44,6 @@ def spare_cores() -> int | None:
     ):
         return None
     return cores
-
-
-@contextlib.contextmanager
-def torch_threads(count: int) -> Iterator[None]:
-    """``torch.set_num_threads(count)`` for a while; the count before is restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class ThreadChoice:
@@ -89,26 +77,23 @@ class ThreadChoice:
         self.reprobe_seconds = reprobe_seconds
         #: threads -> (seconds of the timed role's last call on that count, when it ended)
         self.timings: dict[int, tuple[float, float]] = {}
-        #: True: every core was faster when last compared; False: training's count; None: not yet.
-        self.spread: bool | None = None
+
+    def _spread(self, own: int, cores: int) -> bool | None:
+        """Whether every core was the faster at the latest timings; None until both are timed."""
+        if own in self.timings and cores in self.timings:
+            return self.timings[cores][0] < self.timings[own][0]
+        return None
 
     def threads_for(self, own: int, cores: int, timed: bool) -> int:
         """The thread count for the next call (``own``: training's; ``cores``: every core)."""
+        spread = self._spread(own, cores)
         if not timed:
-            return own if self.spread is False else cores
-        if cores not in self.timings:
+            return own if spread is False else cores
+        if spread is None:  # time every core first, then training's count once
+            return own if cores in self.timings else cores
+        if not spread and self.clock() - self.timings[cores][1] > self.reprobe_seconds:
             return cores
-        if own not in self.timings:
-            return own
-        if not self.spread and self.clock() - self.timings[cores][1] > self.reprobe_seconds:
-            return cores
-        return cores if self.spread else own
-
-    def record(self, threads: int, seconds: float, own: int, cores: int) -> None:
-        """A timed call's seconds on ``threads``; the verdict follows the latest of each count."""
-        self.timings[threads] = (seconds, self.clock())
-        if own in self.timings and cores in self.timings:
-            self.spread = self.timings[cores][0] < self.timings[own][0]
+        return cores if spread else own
 
     def wrap(self, function: F, timed: bool) -> F:
         """``function`` run on the chosen thread count (the count before restored after)."""
@@ -120,12 +105,15 @@ class ThreadChoice:
                 return function(*args, **kwargs)
             own = torch.get_num_threads()
             threads = self.threads_for(own, cores, timed)
-            with torch_threads(threads):
+            torch.set_num_threads(threads)
+            try:
                 start = self.clock()
                 result = function(*args, **kwargs)
-                elapsed = self.clock() - start
-            if timed:
-                self.record(threads, elapsed, own, cores)
+                if timed:
+                    end = self.clock()
+                    self.timings[threads] = (end - start, end)
+            finally:
+                torch.set_num_threads(own)
             return result
 
         return chosen  # type: ignore[return-value]
