@@ -80,8 +80,10 @@ def codec(params: int, coders: list[str], threads: int, whole: bool) -> None:
     n = sum(w.numel() for w in weights.values())
     print(f"codec: {n / 1e6:.0f}M fp32 parameters ({len(weights)} x {shape[0]}x{shape[1]}), "
           f"config {CONFIG}, {threads} threads")  # fmt: skip
-    print(f"{'coder':11} {'checkpoint':15} {'MB':>6} {'kf enc s':>9} {'kf ratio':>9} "
-          f"{'delta enc s':>12} {'delta ratio':>12} {'kf dec s':>9} {'chain dec s':>12}")
+    print(
+        f"{'coder':11} {'checkpoint':15} {'MB':>6} {'kf enc s':>9} {'kf ratio':>9} "
+        f"{'delta enc s':>12} {'delta ratio':>12} {'kf dec s':>9} {'chain dec s':>12}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for coder in coders:
             for label, mode in variants:

@@ -22,15 +22,18 @@ CLASS_LINES, FUNCTION_LINES = 250, 60
 # qualified name -> (lines today, why it is kept whole)
 KEPT: dict[str, tuple[int, str]] = {
     "shrink/search.py:ConfigSearch.run": (
-        106, "the paper's search as one state machine (staircase walk, neighbourhood, full "
+        106,
+        "the paper's search as one state machine (staircase walk, neighbourhood, full "
         "fallback, screen then confirm) over shared counters; to split when the search changes",
     ),
     "gnn/engine.py:StaleGatherEngine": (
-        273, "Dorylus' interval pipeline (gather/apply/scatter with ghost buffer and weight "
+        273,
+        "Dorylus' interval pipeline (gather/apply/scatter with ghost buffer and weight "
         "stash) in one engine; the staleness gate and stash are already their own modules",
     ),
     "gnn/distributed.py:PartitionWorker.run_epoch": (
-        70, "one epoch of the multi-process GNN: the exchange order is the protocol",
+        70,
+        "one epoch of the multi-process GNN: the exchange order is the protocol",
     ),
     "shrink/codec.py:quantized_entry": (62, "two lines over; the coder choice reads as one"),
 }

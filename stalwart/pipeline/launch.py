@@ -262,7 +262,7 @@ def _forked_worker(conn: Any, job_json: str, rank: int, faults_json: str) -> Non
 
     port = conn.recv()
     conn.close()
-    sys.exit(run_worker(job_json, rank, port, faults_json))
+    run_worker(job_json, rank, port, faults_json)
 
 
 def _fork(job: PipelineJob, faults_json: str) -> tuple[dict, list]:

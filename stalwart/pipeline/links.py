@@ -49,9 +49,7 @@ class PeerLinks:
             host memory: slower, but a single-GPU machine can run (and debug) the pipeline.
     """
 
-    def __init__(
-        self, store: Store, device: torch.device, timeout: float, ranks: int = 1
-    ) -> None:
+    def __init__(self, store: Store, device: torch.device, timeout: float, ranks: int = 1) -> None:
         self.store = store
         self.device = device
         self.host_staged = device.type == "cuda" and torch.cuda.device_count() < ranks

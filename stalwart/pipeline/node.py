@@ -50,7 +50,7 @@ _LEFT = {0, -signal.SIGKILL, -signal.SIGTERM, 128 + signal.SIGTERM}
 def _worker(job_json: str, rank: int, host: str, port: int, faults_json: str) -> None:
     from stalwart.pipeline.runtime import run_worker
 
-    sys.exit(run_worker(job_json, rank, port, faults_json, host))
+    run_worker(job_json, rank, port, faults_json, host)
 
 
 def run_node(job: PipelineJob, rank: int, host: str, port: int, faults_json: str = "[]") -> int:

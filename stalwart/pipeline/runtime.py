@@ -38,6 +38,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from torch.distributed import PrefixStore, Store, TCPStore
@@ -356,9 +357,9 @@ def publish_digests(store: Store, stages: HeldStages, layout: Layout, rank: int,
 
 def run_worker(
     job_json: str, rank: int, port: int, faults_json: str = "[]", host: str = "127.0.0.1"
-) -> int:
-    """Entry point of one worker process (forked or started with ``python -m``); returns the
-    process's exit code."""
+) -> NoReturn:
+    """Entry point of one worker process (forked or started with ``python -m``); ends the
+    process with its exit code (see :func:`end_process`)."""
     torch.set_num_threads(1)
 
     job = PipelineJob.from_json(job_json)
@@ -375,12 +376,29 @@ def run_worker(
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     worker = StageWorker(job, rank, store, faults)
     try:
-        return worker.train()
+        code = worker.train()
     finally:
         worker.frc.close()
+    end_process(code)  # while this frame still holds the worker
 
 
-def main(argv: list[str] | None = None) -> int:
+def end_process(code: int) -> NoReturn:
+    """Flush and leave with ``code`` at once, the worker (and through it its gloo groups) still
+    referenced by the caller, so no destructor of a group runs at the end.
+
+    Returning would drop the worker and destroy its last generation's groups while the peers
+    exit and close their ends; once in a fresh clone's ``make test`` a surviving rank of a
+    kill test aborted right there in glibc (``free(): invalid pointer``, a use-after-free of
+    the kind pytorch/gloo#320 describes in gloo's teardown). The process is done: its results
+    are in the store, its files are closed, and the kernel closes the sockets at exit anyway,
+    which wakes any peer still blocked on this rank as the destructors would.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
     parser = argparse.ArgumentParser(description="one redundant-pipeline worker")
     parser.add_argument("--job", required=True, help="job JSON file")
     parser.add_argument("--rank", type=int, required=True)
@@ -388,8 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--faults", default="[]", help="JSON list of Fault dicts")
     args = parser.parse_args(argv)
-    return run_worker(Path(args.job).read_text(), args.rank, args.port, args.faults, args.host)
+    run_worker(Path(args.job).read_text(), args.rank, args.port, args.faults, args.host)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

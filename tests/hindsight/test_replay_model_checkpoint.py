@@ -80,7 +80,6 @@ def test_a_replay_sees_the_records_checkpoint_callback_and_writes_no_file(record
     assert checkpoint_files(root) == files  # none written, rewritten or removed
 
 
-
 class BestOnly(ModelCheckpoint):
     """A user's own subclass: a replay cannot know what its overrides write."""
 
