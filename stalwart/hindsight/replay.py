@@ -433,8 +433,16 @@ def _execute_whole(
 ) -> pd.DataFrame:
     """Run every segment and return their ``replay_work`` rows; or, if any segment fails, drop
     every row the replay wrote and raise: values of some batches only are no result, and must
-    not be read back as one (nor reach a logger)."""
+    not be read back as one (nor reach a logger). Registered as under way while it runs, so
+    that readers do not serve its rows until it finished, nor ever those of a replaying
+    process killed part-way, which the next replay deletes."""
     numerics = setup.run.config.get(NUMERICS_KEY, {})
+    abandoned = setup.store.begin_replay(replay_id, setup.run.run_id)
+    if abandoned:
+        log.warning(
+            "deleted the values of replay(s) %s: their process was killed before they finished",
+            ", ".join(abandoned),
+        )
     try:
         # Every segment computes with the record's settings (threads included, even if the
         # workers then share the cores): a reduction split over 2 threads sums differently.
@@ -452,6 +460,7 @@ def _execute_whole(
                 f"replay {replay_id} of {setup.run.name}: segment(s) {missing} ended without "
                 "storing their work; nothing of this replay was kept. Replay again."
             )
+        setup.store.finish_replay(replay_id)
     except BaseException:
         _discard(setup.store, replay_id)
         raise

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import os
+import socket
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -92,6 +93,14 @@ CREATE TABLE IF NOT EXISTS replay_work (
     batch_epochs TEXT NOT NULL,
     seconds REAL NOT NULL,
     PRIMARY KEY (replay_id, segment)
+);
+CREATE TABLE IF NOT EXISTS replays (
+    replay_id TEXT PRIMARY KEY,
+    run_id INTEGER NOT NULL,
+    host TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    started REAL NOT NULL,
+    finished REAL
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
     run_id INTEGER NOT NULL,
@@ -470,6 +479,49 @@ class HindsightStore:
         with self.batch():
             self._conn.execute("DELETE FROM metrics WHERE replay_id = ?", (replay_id,))
             self._conn.execute("DELETE FROM replay_work WHERE replay_id = ?", (replay_id,))
+            self._conn.execute("DELETE FROM replays WHERE replay_id = ?", (replay_id,))
+
+    def begin_replay(self, replay_id: str, run_id: int) -> list[str]:
+        """Register ``replay_id`` as under way in this process, first discarding the rows of
+        replays whose process died before it finished them (SIGKILL, the out-of-memory killer:
+        no ``except`` ran to discard them). Returns the ids discarded.
+
+        Until :meth:`finish_replay`, readers do not serve the replay's values
+        (:meth:`Run.metrics`): they are some batches' only. A replay registered on another
+        host is never discarded here (its process cannot be looked up), only not served.
+        """
+        host = socket.gethostname()
+        unfinished = self._conn.execute(
+            "SELECT replay_id, host, pid FROM replays WHERE finished IS NULL"
+        ).fetchall()
+        abandoned = [rid for rid, on, pid in unfinished if on == host and not _alive(pid)]
+        for rid in abandoned:
+            self.discard_replay(rid)
+        self._conn.execute(
+            "INSERT INTO replays VALUES (?, ?, ?, ?, ?, NULL)",
+            (replay_id, run_id, host, os.getpid(), time.time()),
+        )
+        return abandoned
+
+    def finish_replay(self, replay_id: str) -> None:
+        """Mark ``replay_id``'s rows complete: readers serve them from now on."""
+        self._conn.execute(
+            "UPDATE replays SET finished = ? WHERE replay_id = ?", (time.time(), replay_id)
+        )
+
+    def served(self, column: str = "replay_id") -> str:
+        """An SQL condition on ``column`` (a metrics row's replay id) that leaves out the rows
+        of replays not finished (under way, or abandoned by a killed process). A store made
+        before replays were registered has no such table: every row is served there."""
+        has = self._conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'replays'"
+        ).fetchone()
+        if has is None:
+            return "1"
+        return (
+            f"({column} IS NULL OR {column} NOT IN"
+            " (SELECT replay_id FROM replays WHERE finished IS NULL))"
+        )
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -578,7 +630,9 @@ class Run:
     @_reads_the_store
     def metric_names(self) -> list[str]:
         rows = self.store._conn.execute(
-            "SELECT DISTINCT name FROM metrics WHERE run_id = ? ORDER BY name", (self.run_id,)
+            "SELECT DISTINCT name FROM metrics WHERE run_id = ? AND "
+            f"{self.store.served()} ORDER BY name",
+            (self.run_id,),
         ).fetchall()
         return [name for (name,) in rows]
 
@@ -586,11 +640,12 @@ class Run:
         """Every value logged under ``name``: columns epoch, step, value, source (and hook).
 
         One row per ``log`` call, in the order they were logged; ``source`` is ``"record"`` or
-        ``"replay"``. Pass ``source=`` to keep one of them.
+        ``"replay"``. Pass ``source=`` to keep one of them. A replay's values are served once it
+        finished: not while it runs, nor ever those of a replaying process killed part-way.
         """
         sql = (
             "SELECT epoch, step, value, source, hook, replay_id FROM metrics"
-            " WHERE run_id = ? AND name = ?"
+            f" WHERE run_id = ? AND name = ? AND {self.store.served()}"
         )
         params: list = [self.run_id, name]
         if source is not None:

@@ -5,9 +5,13 @@ The Composer side of the same behaviour is in tests/algorithms/test_hindsight_co
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import lightning as L
 import pandas as pd
@@ -22,6 +26,7 @@ from stalwart.hindsight.store import HindsightStore
 
 EPOCHS = 4
 BATCHES = 5  # 640 training samples / 128
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class EveryEpoch(HindsightCallback):
@@ -45,6 +50,13 @@ class KilledProbe(L.Callback):
         pl_module.log("probe_value", 1.0)
         if trainer.current_epoch == 3 and batch_idx == 1:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Probe(L.Callback):
+    """Logs a value every batch."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pl_module.log("probe_value", 1.0)
 
 
 def fresh():
@@ -164,3 +176,46 @@ def test_a_store_without_runs_says_so_without_naming_run_none(tmp_path):
         store.run()
     assert "holds no recorded run yet" in str(info.value)
     assert "None" not in str(info.value)
+
+
+KILLED_REPLAY = """
+import sys
+sys.path[:0] = [{root!r}, {examples!r}]
+from pathlib import Path
+from tests.hindsight.test_replay_failures import KilledProbe, fresh, trainer_for
+trainer_for(Path({record!r})).replay(*fresh(), probe=KilledProbe(), epochs=[2, 3], workers=1)
+"""
+
+
+def test_a_replaying_process_killed_part_way_is_never_served_and_the_next_replay_deletes_it(
+    tmp_path, caplog
+):
+    trainer_for(tmp_path).fit(*fresh())
+    # The replay runs in its own process (workers=1), which its probe SIGKILLs in epoch 3:
+    # no except clause runs to delete what it wrote of epoch 2.
+    script = KILLED_REPLAY.format(
+        root=str(ROOT), examples=str(ROOT / "examples"), record=str(tmp_path)
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    left, _ = replay_rows(tmp_path)
+    assert left >= BATCHES  # epoch 2's values are in the file ...
+    store = stalwart.hindsight.open(tmp_path / "runs")
+    with pytest.raises(RunNotFoundError):  # ... and no reader serves them
+        store.run().metrics("probe_value")
+    assert "probe_value" not in store.run().metric_names()
+    (killed,) = store.query("SELECT replay_id FROM replays WHERE finished IS NULL").replay_id
+    store.close()
+
+    with caplog.at_level(logging.WARNING, logger="stalwart.hindsight.replay"):
+        result = trainer_for(tmp_path).replay(*fresh(), probe=Probe(), epochs=[2], workers=1)
+    assert f"deleted the values of replay(s) {killed}" in caplog.text
+    assert result.mismatches == []
+    store = stalwart.hindsight.open(tmp_path / "runs")
+    ids = store.query("SELECT DISTINCT replay_id FROM metrics WHERE source = 'replay'").replay_id
+    assert ids.tolist() == [result.replay_id]
+    served = store.run().metrics("probe_value", source="replay")
+    assert served.epoch.tolist() == [2] * BATCHES
+    store.close()
