@@ -509,17 +509,17 @@ class HindsightStore:
             "UPDATE replays SET finished = ? WHERE replay_id = ?", (time.time(), replay_id)
         )
 
-    def served(self, column: str = "replay_id") -> str:
-        """An SQL condition on ``column`` (a metrics row's replay id) that leaves out the rows
-        of replays not finished (under way, or abandoned by a killed process). A store made
-        before replays were registered has no such table: every row is served there."""
+    def served(self) -> str:
+        """An SQL condition on a metrics row that leaves out the rows of replays not finished
+        (under way, or abandoned by a killed process). A store made before replays were
+        registered has no such table: every row is served there."""
         has = self._conn.execute(
             "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'replays'"
         ).fetchone()
         if has is None:
             return "1"
         return (
-            f"({column} IS NULL OR {column} NOT IN"
+            "(replay_id IS NULL OR replay_id NOT IN"
             " (SELECT replay_id FROM replays WHERE finished IS NULL))"
         )
 
