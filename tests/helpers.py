@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import lightning as L
+import pytest
 from digits import DigitsClassifier, DigitsDataModule
 from lightning.pytorch.profilers import PassThroughProfiler
 
@@ -60,3 +64,21 @@ class EpochProbe(L.Callback):
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         pl_module.log("w_norm", pl_module.net[0].weight.norm())
+
+
+def pages_in_page_cache(path) -> tuple[int, int]:
+    """(pages of ``path`` the page cache holds, pages in all), by mincore(2)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    resident = (ctypes.c_ubyte * pages)()
+    with open(path, "rb") as handle:
+        mapped = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)
+    anchor = ctypes.c_char.from_buffer(mapped)
+    try:
+        if libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), resident):
+            pytest.skip(f"mincore failed: errno {ctypes.get_errno()}")
+    finally:
+        del anchor
+        mapped.close()
+    return sum(flag & 1 for flag in resident), pages

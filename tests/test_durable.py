@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import zlib
 
 import pytest
@@ -10,12 +11,14 @@ import torch
 
 from stalwart import durable
 from stalwart.errors import CorruptCheckpointError
+from tests.helpers import pages_in_page_cache
 
 
-def test_sealed_torch_round_trip(tmp_path):
+@pytest.mark.parametrize("direct", [False, True], ids=["page cache", "direct"])
+def test_sealed_torch_round_trip(tmp_path, direct):
     path = tmp_path / "state.pt"
     state = {"w": torch.arange(1000, dtype=torch.float32), "step": 7}
-    written = durable.save_torch(state, path)
+    written = durable.save_torch(state, path, direct=direct)
     loaded = durable.load_torch(path)
     assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 7
     # The seal is 16 bytes after the payload; size and CRC-32 are the payload's.
@@ -68,11 +71,12 @@ def _record_offset(data: bytes, tensor: torch.Tensor) -> int:
     return data.index(tensor.numpy().tobytes()[:64])
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["page cache", "direct"])
 @pytest.mark.parametrize("damage", ["tensor byte", "directory byte", "truncated", "extended"])
-def test_a_torch_zip_is_verified_by_its_own_record_crcs_and_its_directory(tmp_path, damage):
+def test_a_torch_zip_is_verified_by_its_own_record_crcs_and_its_directory(tmp_path, damage, direct):
     path = tmp_path / "epoch=0001.ckpt"
     weights = torch.randn(4096)
-    written = durable.save_torch({"w": weights, "step": 3}, path, seal=False)
+    written = durable.save_torch({"w": weights, "step": 3}, path, seal=False, direct=direct)
     data = durable.verify_file(path, written.nbytes, written.crc32)
     assert data == path.read_bytes() and written.nbytes == len(data)
     assert torch.equal(torch.load(path, weights_only=True)["w"], weights)
@@ -123,15 +127,72 @@ def test_a_failing_writer_leaves_the_previous_file_and_no_temp(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["state.bin"]
 
 
-def test_a_failing_torch_save_leaves_the_previous_file_and_no_temp(tmp_path):
-    # torch writes the temp file by name; a pickling error midway must not reach the target.
+@pytest.mark.parametrize("direct", [False, True], ids=["page cache", "direct"])
+def test_a_failing_torch_save_leaves_the_previous_file_and_no_temp(tmp_path, direct):
+    # torch writes the temp file; a pickling error midway must not reach the target.
     path = tmp_path / "state.pt"
-    durable.save_torch({"w": torch.ones(3)}, path)
+    durable.save_torch({"w": torch.ones(3)}, path, direct=direct)
     before = path.read_bytes()
     with pytest.raises(Exception, match="pickle"):
-        durable.save_torch({"w": torch.ones(1 << 20), "hook": lambda: None}, path)
+        durable.save_torch({"w": torch.ones(1 << 20), "hook": lambda: None}, path, direct=direct)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]
+
+
+def _odd_state() -> dict:
+    """Tensors that straddle the direct writer's 8 MB buffer and end off any block boundary."""
+    return {
+        "big": torch.randn(3_000_001),  # 12 MB: more than one buffer
+        "view": torch.randn(7, 5).t(),  # not contiguous
+        "bytes": torch.arange(4099, dtype=torch.uint8),
+        "step": 11,
+    }
+
+
+@pytest.mark.parametrize("seal", [False, True], ids=["indexed", "sealed"])
+def test_a_direct_write_larger_than_its_buffer_round_trips_at_its_exact_length(tmp_path, seal):
+    path = tmp_path / "epoch=0003.ckpt"
+    state = _odd_state()
+    written = durable.save_torch(state, path, seal=seal, direct=True)
+    if seal:
+        loaded = durable.load_torch(path)
+        assert path.stat().st_size == written.nbytes + 16
+    else:
+        data = durable.verify_file(path, written.nbytes, written.crc32)
+        assert len(data) == written.nbytes == path.stat().st_size  # the padding cut away
+        loaded = torch.load(path, weights_only=True)
+    for key in ("big", "view", "bytes"):
+        assert torch.equal(loaded[key], state[key])
+    assert loaded["step"] == 11
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+def test_a_direct_write_leaves_the_checkpoint_out_of_the_page_cache(tmp_path):
+    """What the direct write is for: the kernel caches none of the file's pages (only the zip's
+    tail, read back for its CRC-32), where the same save through the page cache leaves all."""
+    with durable.DirectFile(tmp_path / "probe") as handle:
+        if not handle.direct:
+            pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    state = {"w": torch.randn(8 << 20)}  # 32 MB
+    durable.save_torch(state, tmp_path / "direct.ckpt", seal=False, direct=True)
+    durable.save_torch(state, tmp_path / "cached.ckpt", seal=False, direct=False)
+    cached, pages = pages_in_page_cache(tmp_path / "cached.ckpt")
+    assert cached > 0.9 * pages  # the measurement sees a cached file as cached
+    direct, pages = pages_in_page_cache(tmp_path / "direct.ckpt")
+    assert direct < 0.01 * pages
+
+
+def test_without_o_direct_the_same_bytes_go_through_the_page_cache(tmp_path, monkeypatch):
+    """macOS has no O_DIRECT: the writer falls back to plain writes of the same file."""
+    monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    path = tmp_path / "epoch=0003.ckpt"
+    state = _odd_state()
+    written = durable.save_torch(state, path, seal=False, direct=True)
+    durable.verify_file(path, written.nbytes, written.crc32)
+    assert torch.equal(torch.load(path, weights_only=True)["big"], state["big"])
+    with durable.DirectFile(tmp_path / "probe") as handle:
+        assert not handle.direct
 
 
 def test_streaming_writer_counts_every_byte(tmp_path):

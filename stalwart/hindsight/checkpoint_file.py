@@ -17,14 +17,46 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from stalwart import durable
 from stalwart.errors import CorruptCheckpointError, UnsafeCheckpointError
 
+#: From this many bytes of tensors a checkpoint is written past the page cache
+#: (:class:`stalwart.durable.DirectFile`). The page cache costs kernel time per page written
+#: (per 10 MB: ~13 ms of the writer's CPU either way; 41 MB: 87 against 23 ms; 100 MB: 248
+#: against 51; 500 MB: 1,399 against 245, on the 2-core CI machine), and where training uses
+#: every core that time comes out of training; torch writing into a file object costs the
+#: training thread a round trip of the interpreter lock per record (+4-10 ms of a Python loop's
+#: time a checkpoint), which below ~30 MB is the larger cost
+#: (``benchmarks/record_overhead.py --write-path``; fits in docs/measurements/hindsight.md).
+DIRECT_WRITE_BYTES = 32 << 20
 
-def write_checkpoint(obj: Any, path: str | os.PathLike) -> durable.WrittenFile:
-    """``torch.save`` ``obj`` to ``path`` atomically and durably; keep the result in the index."""
-    return durable.save_torch(obj, path, seal=False)
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes held by the tensors inside a nested container (dicts, lists, tuples)."""
+    return sum(
+        leaf.numel() * leaf.element_size()
+        for leaf in pytree.tree_leaves(obj)
+        if isinstance(leaf, torch.Tensor)
+    )
+
+
+def write_checkpoint(
+    obj: Any, path: str | os.PathLike, *, direct: bool | None = None
+) -> durable.WrittenFile:
+    """``torch.save`` ``obj`` to ``path`` atomically and durably; keep the result in the index.
+
+    Args:
+        obj: the checkpoint.
+        path: where it goes.
+        direct: write past the page cache; by default where ``obj`` holds at least
+            :data:`DIRECT_WRITE_BYTES` of tensors. A record keeps every checkpoint and reads
+            none back until a replay, so caching a large one only costs.
+    """
+    if direct is None:
+        direct = tensor_bytes(obj) >= DIRECT_WRITE_BYTES
+    return durable.save_torch(obj, path, seal=False, direct=direct)
 
 
 def checksum_file(path: str | os.PathLike) -> tuple[int, int]:

@@ -34,7 +34,7 @@ from stalwart import durable
 from stalwart.durable import WrittenFile
 from stalwart.errors import ConfigurationError
 from stalwart.forking import fork_child
-from stalwart.hindsight.checkpoint_file import write_checkpoint
+from stalwart.hindsight.checkpoint_file import DIRECT_WRITE_BYTES, tensor_bytes, write_checkpoint
 
 
 @dataclass
@@ -44,15 +44,6 @@ class WriteJob:
     obj: Any
     path: Path
     on_written: Callable[[WrittenFile], None] | None = None
-
-
-def tensor_bytes(obj: Any) -> int:
-    """Bytes held by the tensors inside a nested container (dicts, lists, tuples)."""
-    return sum(
-        leaf.numel() * leaf.element_size()
-        for leaf in pytree.tree_leaves(obj)
-        if isinstance(leaf, torch.Tensor)
-    )
 
 
 def host_snapshot(obj: Any) -> Any:
@@ -350,14 +341,19 @@ def python_slowdown(work: Callable[[], Any]) -> tuple[float, float]:
     return max(elapsed - count / rate, 0.0), used[0]
 
 
-def _probe_write(obj: Any, path: Path) -> None:
-    """A checkpoint write's CPU work (torch's serialization by name, the zip's tail read back)
-    without its fsyncs: a probe measures CPU time, and the disk's flush, which takes none, only
-    made the training thread wait longer for the probe (on the CPU machine, 60-200 ms of a
+def _probe_write(obj: Any, path: Path, direct: bool = False) -> None:
+    """A checkpoint write's CPU work (torch's serialization, through the page cache by name or
+    past it, as :func:`write_checkpoint` writes a state of the size priced; the zip's tail read
+    back) without its fsync: a probe measures CPU time, and the disk's flush, which takes none,
+    only made the training thread wait longer for the probe (on the CPU machine, 60-200 ms of a
     probe's 150-300 ms)."""
     temp = durable.temp_path_for(path)  # a name torch accepts (".name" is not one)
     try:
-        torch.save(obj, os.fspath(temp))
+        if direct:
+            with durable.DirectFile(temp, fsync=False) as handle:
+                torch.save(obj, handle)
+        else:
+            torch.save(obj, os.fspath(temp))
         with open(temp, "rb") as handle:
             durable.zip_tail_checksum(handle)
     finally:
@@ -412,7 +408,10 @@ class InlineMaterializer(Materializer):
     def probe_cost(self, nbytes: int, directory: Path) -> float:
         probe_bytes = max(1, min(nbytes, 8 << 20))
         probe = directory / f".stalwart-probe-{os.getpid()}"
-        written = write_checkpoint(torch.empty(probe_bytes, dtype=torch.uint8), probe)
+        written = write_checkpoint(
+            torch.empty(probe_bytes, dtype=torch.uint8), probe,
+            direct=nbytes >= DIRECT_WRITE_BYTES,
+        )  # fmt: skip
         probe.unlink()
         return written.seconds * nbytes / probe_bytes
 
@@ -632,10 +631,11 @@ class ForkMaterializer(Materializer):
             return self._writer.warm_cpu_seconds / self._writer.warm_bytes * nbytes
         probe = _probe_buffer(nbytes, 16 << 20)
         path = directory / f".stalwart-probe-{os.getpid()}"
+        direct = nbytes >= DIRECT_WRITE_BYTES
         if not self._writer.writes:  # this writer has written nothing yet: warm up first
-            _probe_write(probe, path)
+            _probe_write(probe, path, direct)
         started = time.thread_time()
-        _probe_write(probe, path)
+        _probe_write(probe, path, direct)
         return (time.thread_time() - started) / probe.numel() * nbytes
 
     def _fork_cost(self, nbytes: int, directory: Path) -> float:

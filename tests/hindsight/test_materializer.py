@@ -13,8 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from stalwart import durable
 from stalwart.durable import WrittenFile
-from stalwart.hindsight.checkpoint_file import read_checkpoint
+from stalwart.hindsight.checkpoint_file import (
+    DIRECT_WRITE_BYTES,
+    read_checkpoint,
+    write_checkpoint,
+)
 from stalwart.hindsight.materializer import (
     ForkMaterializer,
     InlineMaterializer,
@@ -26,6 +31,7 @@ from stalwart.hindsight.materializer import (
     refill_copy,
 )
 from stalwart.pipeline.threadclock import ThreadClock
+from tests.helpers import pages_in_page_cache
 
 MB = 1 << 20
 
@@ -358,7 +364,7 @@ def test_the_probe_prices_a_warm_copy_and_write_not_the_processs_first(tmp_path,
 
     calls = []
 
-    def write(obj, path):  # the first write of the process is the slow one
+    def write(obj, path, direct=False):  # the first write of the process is the slow one
         calls.append(path)
         spin_python(0.2 if len(calls) == 1 else 0.002)
 
@@ -388,7 +394,9 @@ def test_the_write_price_leaves_out_the_processs_first_write(tmp_path, monkeypat
     materializer._writer.drain()
     assert materializer._writer.writes == 1 and materializer._writer.warm_bytes == 0
     probes = []
-    monkeypatch.setattr(materializer_module, "_probe_write", lambda obj, path: probes.append(path))
+    monkeypatch.setattr(
+        materializer_module, "_probe_write", lambda obj, path, direct=False: probes.append(path)
+    )
     materializer._write_cpu(MB, tmp_path)
     assert len(probes) == 1  # one timed probe write, no warm-up
     materializer.submit(WriteJob({"w": torch.ones(1 << 16)}, tmp_path / "a.pt"))
@@ -569,3 +577,24 @@ def test_checkpoints_written_by_the_callback_hold_the_state_at_their_epoch_bound
     assert not torch.equal(
         run.checkpoint(0).load()["state_dict"]["net.0.weight"], model.net[0].weight.detach().cpu()
     )
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+def test_a_large_checkpoint_goes_past_the_page_cache_and_a_small_one_through_it(tmp_path):
+    """A record keeps every checkpoint and reads none back until a replay: from
+    DIRECT_WRITE_BYTES of tensors the write skips the page cache (whose kernel time per page came
+    out of training), below it torch writes by name (fewer round trips of the interpreter lock)."""
+    with durable.DirectFile(tmp_path / "probe") as handle:
+        if not handle.direct:
+            pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    large = {"w": torch.randn(DIRECT_WRITE_BYTES // 4 + 1000), "step": 3}
+    small = {"w": torch.randn((DIRECT_WRITE_BYTES // 4) // 8), "step": 4}
+    written = {name: write_checkpoint(state, tmp_path / f"{name}.ckpt")
+               for name, state in (("large", large), ("small", small))}  # fmt: skip
+    cached, pages = pages_in_page_cache(tmp_path / "large.ckpt")
+    assert cached < 0.01 * pages
+    cached, pages = pages_in_page_cache(tmp_path / "small.ckpt")
+    assert cached > 0.9 * pages
+    for name, state in (("large", large), ("small", small)):  # both read back whole
+        loaded = read_checkpoint(written[name].path, written[name].nbytes, written[name].crc32)
+        assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == state["step"]
