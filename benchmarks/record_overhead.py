@@ -846,9 +846,10 @@ def write_path(sizes_mb: list[float], reps: int) -> None:
     """What a writer thread's checkpoint takes from a Python loop on the main thread (the
     interpreter lock) and how much CPU it uses, interleaved: torch writing the file by name
     through the page cache (``write_checkpoint`` before 2026-11-30) against torch writing into a
-    :class:`stalwart.durable.DirectFile`, past the page cache (``write_checkpoint`` now). Every
-    write goes to a new file kept to the end of its row, as a record keeps its checkpoints: a
-    file written over the last one reuses its pages and hides what fresh ones cost."""
+    :class:`stalwart.durable.DirectFile`, past the page cache (``write_checkpoint`` now, from
+    ``DIRECT_WRITE_BYTES``). Every write goes to a new file kept to the end of its row, as a
+    record keeps its checkpoints: a file written over the last one reuses its pages and hides
+    what fresh ones cost."""
     print(f"\n== Write path: a writer thread's checkpoint vs a Python loop ({reps} reps)")
     rows = [write_path_row(state_mb, reps) for state_mb in sizes_mb]
     headers = ["checkpoint", "loop lost ms, page cache (median, range)", "direct",
@@ -878,7 +879,7 @@ def write_path_row(state_mb: float, reps: int) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="stalwart-bench-write-") as tmp:
         ways: dict[str, Callable[[Path], Any]] = {
             "page cache": lambda path: durable.save_torch(checkpoint, path, seal=False),
-            "direct": lambda path: write_checkpoint(checkpoint, path),
+            "direct": lambda path: write_checkpoint(checkpoint, path, direct=True),
         }
         lost: dict[str, list[float]] = {name: [] for name in ways}
         cpu: dict[str, list[float]] = {name: [] for name in ways}

@@ -108,8 +108,8 @@ class DirectFile:
     comes out of training. Bytes pass through a page-aligned bounce buffer, copied by numpy
     (which lets go of the interpreter lock for large copies) and written by ``os.write`` (which
     does too); the last block is padded and the file truncated back to its length on
-    :meth:`close`. Where the file system refuses ``O_DIRECT`` (tmpfs; macOS has no such flag)
-    the same bytes are written through the page cache.
+    :meth:`close`. Where the file system refuses ``O_DIRECT`` (tmpfs before Linux 6.6; macOS has
+    no such flag) the same bytes are written through the page cache.
 
     Args:
         path: the file to create (truncated if it exists).

@@ -24,11 +24,11 @@ from stalwart.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 #: From this many bytes of tensors a checkpoint is written past the page cache
 #: (:class:`stalwart.durable.DirectFile`). The page cache costs kernel time per page written
-#: (per 10 MB: ~13 ms of the writer's CPU either way; 41 MB: 87 against 23 ms; 100 MB: 248
-#: against 51; 500 MB: 1,399 against 245, on the 2-core CI machine), and where training uses
-#: every core that time comes out of training; torch writing into a file object costs the
-#: training thread a round trip of the interpreter lock per record (+4-10 ms of a Python loop's
-#: time a checkpoint), which below ~30 MB is the larger cost
+#: (the writer's CPU for a 10 MB checkpoint: 10 ms either way; 41 MB: 100 against 22 ms;
+#: 100 MB: 239 against 48; 500 MB: 1,271 against 234, on the 2-core CI machine), and where
+#: training uses every core that time comes out of training; torch writing into a file object
+#: costs the training thread a round trip of the interpreter lock per write call (a Python loop
+#: lost 3-7 ms a checkpoint against 1-2), which below ~20 MB is the larger cost
 #: (``benchmarks/record_overhead.py --write-path``; fits in docs/measurements/hindsight.md).
 DIRECT_WRITE_BYTES = 32 << 20
 
