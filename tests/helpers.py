@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 
 import lightning as L
 import pytest
 from digits import DigitsClassifier, DigitsDataModule
 from lightning.pytorch.profilers import PassThroughProfiler
 
-from stalwart import HindsightCallback
+from stalwart import HindsightCallback, durable
 
 #: Trainer arguments that keep a test's fit from writing logs, checkpoints or progress output.
 QUIET = {
@@ -82,3 +83,14 @@ def pages_in_page_cache(path) -> tuple[int, int]:
         del anchor
         mapped.close()
     return sum(flag & 1 for flag in resident), pages
+
+
+def require_direct_io(directory) -> None:
+    """Skip the test where ``directory``'s file system (or the platform) refuses O_DIRECT."""
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    with durable.DirectFile(directory / ".direct-probe") as handle:
+        direct = handle.direct
+    (directory / ".direct-probe").unlink()
+    if not direct:
+        pytest.skip(f"{directory} refuses O_DIRECT")

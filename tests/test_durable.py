@@ -11,7 +11,7 @@ import torch
 
 from stalwart import durable
 from stalwart.errors import CorruptCheckpointError
-from tests.helpers import pages_in_page_cache
+from tests.helpers import pages_in_page_cache, require_direct_io
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["page cache", "direct"])
@@ -167,13 +167,10 @@ def test_a_direct_write_larger_than_its_buffer_round_trips_at_its_exact_length(t
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
-@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
 def test_a_direct_write_leaves_the_checkpoint_out_of_the_page_cache(tmp_path):
     """What the direct write is for: the kernel caches none of the file's pages (only the zip's
     tail, read back for its CRC-32), where the same save through the page cache leaves all."""
-    with durable.DirectFile(tmp_path / "probe") as handle:
-        if not handle.direct:
-            pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    require_direct_io(tmp_path)
     state = {"w": torch.randn(8 << 20)}  # 32 MB
     durable.save_torch(state, tmp_path / "direct.ckpt", seal=False, direct=True)
     durable.save_torch(state, tmp_path / "cached.ckpt", seal=False, direct=False)

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from stalwart import durable
 from stalwart.durable import WrittenFile
 from stalwart.hindsight.checkpoint_file import (
     DIRECT_WRITE_BYTES,
@@ -31,7 +30,7 @@ from stalwart.hindsight.materializer import (
     refill_copy,
 )
 from stalwart.pipeline.threadclock import ThreadClock
-from tests.helpers import pages_in_page_cache
+from tests.helpers import pages_in_page_cache, require_direct_io
 
 MB = 1 << 20
 
@@ -579,14 +578,11 @@ def test_checkpoints_written_by_the_callback_hold_the_state_at_their_epoch_bound
     )
 
 
-@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
 def test_a_large_checkpoint_goes_past_the_page_cache_and_a_small_one_through_it(tmp_path):
     """A record keeps every checkpoint and reads none back until a replay: from
     DIRECT_WRITE_BYTES of tensors the write skips the page cache (whose kernel time per page came
     out of training), below it torch writes by name (fewer round trips of the interpreter lock)."""
-    with durable.DirectFile(tmp_path / "probe") as handle:
-        if not handle.direct:
-            pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    require_direct_io(tmp_path)
     large = {"w": torch.randn(DIRECT_WRITE_BYTES // 4 + 1000), "step": 3}
     small = {"w": torch.randn((DIRECT_WRITE_BYTES // 4) // 8), "step": 4}
     written = {name: write_checkpoint(state, tmp_path / f"{name}.ckpt")
