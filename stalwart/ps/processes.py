@@ -142,6 +142,8 @@ class ProcessSupervisor:
         deadline = time.time() + limit
         while not condition():
             if not self.alive(pid):
+                if condition():  # it ended just after the check: waiting for its exit, say
+                    return
                 proc = self.procs[pid]
                 raise StalwartError(
                     f"process {pid} died while waiting for {what} "

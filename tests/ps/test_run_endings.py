@@ -4,6 +4,8 @@ steps-bound run ends before keeps the trained result instead of throwing it away
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import lightning as L
@@ -16,7 +18,7 @@ from stalwart import ParameterServerTrainer
 from stalwart.errors import StalwartError
 from stalwart.flat import flatten
 from stalwart.ps import KillEvent
-from stalwart.ps.processes import describe_exit, describe_log
+from stalwart.ps.processes import ChildProcess, ProcessSupervisor, describe_exit, describe_log
 from stalwart.ps.runner import worker_failure_message
 
 X = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
@@ -97,3 +99,26 @@ def test_failure_messages_name_the_signal_every_failed_worker_and_the_logs():
     assert describe_exit(-15) == "killed by SIGTERM from outside the run"
     assert describe_exit(3) == "exit code 3"
     assert describe_log("/run/ps.log", " \n") == "its log /run/ps.log is empty"
+
+
+def ended_child(supervisor: ProcessSupervisor, tmp_path) -> int:
+    """A real child of the supervisor that has exited (code 0) and been reaped."""
+    popen = subprocess.Popen([sys.executable, "-c", "pass"])
+    log = str(tmp_path / "server.log")
+    supervisor.procs[popen.pid] = ChildProcess("server", popen, time.time(), log)
+    while supervisor.alive(popen.pid):
+        time.sleep(0.01)
+    return popen.pid
+
+
+def test_waiting_for_a_process_to_exit_does_not_fail_when_it_exits_between_two_checks(tmp_path):
+    # Seen once in the outage matrix's ~1,400 runs: the server was alive when the condition
+    # (its exit) was checked and gone at the liveness check just after, which reported it dead.
+    supervisor = ProcessSupervisor(str(tmp_path))
+    pid = ended_child(supervisor, tmp_path)
+    checks = []
+    supervisor.wait_for(lambda: checks.append(1) or len(checks) > 1, "the server to exit", pid)
+    assert len(checks) == 2
+    # A process that dies while what it was awaited for never comes still fails, naming it.
+    with pytest.raises(StalwartError, match=rf"process {pid} died while waiting for the end"):
+        supervisor.wait_for(lambda: False, "the end", pid)
