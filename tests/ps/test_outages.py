@@ -34,7 +34,7 @@ def test_stateless_beats_checkpointing_when_the_run_ends_right_after_long_outage
     # reach this small CNN's ceiling (0.86-0.94, 2026-11-30), within the swing of the stateless
     # run's last update, which merges two trajectories of hundreds of local steps and can cost
     # accuracy (0.76-0.90 seen when the run ended 0.3 s after the restart; 0.875 against 0.928
-    # failed this test once). With ~0.9 s up: 0.46-0.71 in five runs, stateless 0.98-0.99.
+    # failed this test once). With ~0.9 s up it stays well below (the numbers are below).
     downtime, kills_at = 2.0, (0.3, 2.5)
     duration = kills_at[-1] + downtime + 0.45
     results = {}
