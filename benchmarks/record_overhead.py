@@ -520,9 +520,9 @@ def checkpoint_coverage(decisions: Any, epsilon: float) -> tuple[int, int]:
     return max(gaps), math.ceil(ratio / epsilon) + 1
 
 
-def coverage_missed(fit: FitResult) -> bool:
-    """Whether a recorded fit went longer without a checkpoint than its own bound."""
-    return fit.gap_bound > 0 and fit.max_gap > fit.gap_bound
+def gap_over_bound(max_gap: int, gap_bound: int) -> bool:
+    """Whether a record went longer without a checkpoint than its bound (0: no cost measured)."""
+    return gap_bound > 0 and max_gap > gap_bound
 
 
 def part1(workload: Workload, reps: int) -> dict[str, Any]:
@@ -1068,7 +1068,7 @@ def matrix_cell(
         "max_gap": max(r.max_gap for r in recorded),
         "gap_bound": max(r.gap_bound for r in recorded),
         # Per fit: the largest gap and bound are of different fits when the bound varies.
-        "coverage_misses": sum(coverage_missed(r) for r in recorded),
+        "coverage_misses": sum(gap_over_bound(r.max_gap, r.gap_bound) for r in recorded),
         "pairs": reps,
         "forks": median([r.forks for r in recorded]),
         "copies": median([r.copies for r in recorded]),
@@ -1094,7 +1094,7 @@ def cell_coverage_misses(cell: dict[str, Any]) -> int:
     if "coverage_misses" in cell:
         return cell["coverage_misses"]
     # A matrix.json written before misses were counted per fit: its largest gap and bound.
-    return int(cell["gap_bound"] != 0 and cell["max_gap"] > cell["gap_bound"])
+    return int(gap_over_bound(cell["max_gap"], cell["gap_bound"]))
 
 
 def print_matrix(done: dict[str, Any]) -> None:
