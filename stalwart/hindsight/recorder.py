@@ -138,10 +138,10 @@ class Recorder:
         return self.run_id
 
     def write_initial(self, snapshot: Callable[[], Any], step: int) -> None:
-        """Write the state training starts from, so a replay from epoch 0 needs no user seeding;
-        through the background path like every checkpoint (the first epoch is warm-up: never the
-        interference meter's baseline)."""
+        """Write the state training starts from (a replay from epoch 0 needs no user seeding) in
+        the background like every checkpoint; behind it, price one for the first decision."""
         self.charge_fixed(self.write(snapshot, INITIAL_EPOCH, "init.ckpt", step))
+        self.materializer.prime(self.store.run_dir(self.run_id))
 
     def charge_bookkeeping(self, seconds: float) -> None:
         """Charge seconds the adapter spent inside training on recording (log capture, per-batch
@@ -166,8 +166,7 @@ class Recorder:
     def epoch_started(self) -> None:
         self._batches = 0
         self._last_batch_end = None
-        if self.materializer is not None:
-            self._shadowed = self.materializer.busy
+        self._shadowed = self.materializer is not None and self.materializer.busy
 
     def batch_ended(self) -> None:
         """After each training batch: count it, commit logged values about once a second and

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import threading
+import time
 from types import SimpleNamespace
 
 import lightning as L
@@ -134,6 +136,40 @@ def test_what_background_writes_take_is_charged_to_the_checkpoints(tmp_path, mon
     assert policy.total_materialize - policy.total_fixed >= EPOCHS * 1.0
     with stalwart.hindsight.open(tmp_path) as store:
         assert [c.epoch for c in store.run().checkpoints()] == list(range(EPOCHS))
+
+
+class SlowFirstBatch(L.Callback):
+    """Holds the first training batch for ``seconds``: an epoch as long as a real one."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.current_epoch == 0 and batch_idx == 0:
+            time.sleep(self.seconds)
+
+
+def test_the_first_checkpoints_price_is_measured_beside_the_first_epoch(tmp_path, monkeypatch):
+    """The first decision needs a checkpoint's price: probed on the writer thread behind
+    init.ckpt, not by a copy and a write on the training thread at the first epoch's end (20-24
+    ms of a 10 MB state's 2-second fit)."""
+    import stalwart.hindsight.materializer as materializer_module
+
+    probed_on: list[str] = []
+    real_probe_write = materializer_module._probe_write
+
+    def probe_write(*args, **kwargs):
+        probed_on.append(threading.current_thread().name)
+        return real_probe_write(*args, **kwargs)
+
+    monkeypatch.setattr(materializer_module, "_probe_write", probe_write)
+    callback = stalwart.HindsightCallback(dirpath=tmp_path)
+    fit([callback, SlowFirstBatch(0.3)])
+    assert probed_on == ["stalwart-checkpoint-writer"]
+    with stalwart.hindsight.open(tmp_path) as store:
+        first = store.run().decisions().iloc[0]
+    assert 0 < first.materialize_cost < 0.1  # the probe's price, for a 0.1 MB state
+    assert not any(path.name.startswith(".") for path in tmp_path.rglob("*"))
 
 
 class SlowingWriter(Materializer):
