@@ -381,9 +381,10 @@ class Materializer(ABC):
     def probe_cost(self, nbytes: int, directory: Path) -> float:
         """Measure, without writing a checkpoint, what submitting ``nbytes`` of state would cost."""
 
-    def prime(self, directory: Path) -> None:  # noqa: B027 - nothing to prepare by default
+    def prime(self, directory: Path, submitted: float) -> None:  # noqa: B027 - nothing to do
         """Start measuring in the background what :meth:`probe_cost` will be asked, for a state
-        of about the size last submitted (called after a run's first write)."""
+        of about the size last submitted, whose snapshot and submit took the calling thread
+        ``submitted`` seconds (called after a run's first write)."""
 
     @property
     def busy(self) -> bool:
@@ -430,35 +431,35 @@ def host_snapshot_job(job: WriteJob) -> WriteJob:
 
 
 class CostProbe:
-    """What a checkpoint of about ``nbytes`` costs training, measured on the writer thread: a
-    warm copy's and a probe write's CPU time per byte (as :meth:`ForkMaterializer.probe_cost`
-    measures them on the calling thread).
+    """What a checkpoint of about ``nbytes`` costs training, measured beside it: the writer
+    thread's CPU time per byte for a probe write (as :meth:`ForkMaterializer.probe_cost` measures
+    it on the calling thread), and the calling thread's seconds per byte for the snapshot it
+    handed over with the run's first write (``submitted``).
 
     Queued behind a run's first write (its ``init.ckpt``), it runs beside the first epoch, so
     the price the first decision needs is ready at that epoch's end without the training thread
     copying and writing a probe there: that took 20-24 ms of a 10 MB state's 2-second fit of
-    0.1 s epochs, ~40% of what the record cost outside its checkpoints. CPU time, not wall
-    clock: this thread's wall clock also holds its waits for the interpreter lock, which the
-    training thread does not pay for its own copy.
+    0.1 s epochs, ~40% of what the record cost outside its checkpoints. The probe runs no torch
+    kernel on the writer thread (its buffer is filled by Python, the write is torch's
+    serialization, as every checkpoint's): a kernel there gets an OpenMP team of its own, and with
+    two torch threads on two cores that slowed the fits of 0.1 s epochs by 20-70% (one 4-second
+    fit took 114 s).
     """
 
-    def __init__(self, nbytes: int, directory: Path) -> None:
+    def __init__(self, nbytes: int, directory: Path, submitted: float) -> None:
         self.nbytes = nbytes
         self.path = directory / f".stalwart-probe-{os.getpid()}"
-        self.copy_per_byte: float | None = None
+        self.copy_per_byte = submitted / max(nbytes, 1)
         self.write_per_byte: float | None = None
         self.done = threading.Event()
 
     def run(self) -> None:
         try:
-            probe = _probe_buffer(self.nbytes, 16 << 20)
-            host_copy(probe)  # priced warm, as every copy after the first
+            size = max(1, min(self.nbytes, 16 << 20))
+            probe = torch.frombuffer(bytearray(b"\x01") * size, dtype=torch.uint8)
             started = time.thread_time()
-            host_copy(probe)
-            copied = time.thread_time()
             _probe_write(probe, self.path, self.nbytes >= DIRECT_WRITE_BYTES)
-            self.write_per_byte = (time.thread_time() - copied) / probe.numel()
-            self.copy_per_byte = (copied - started) / probe.numel()
+            self.write_per_byte = (time.thread_time() - started) / size
         except Exception:  # the calling thread's probe then runs, and reports what fails
             pass
         finally:
@@ -635,12 +636,13 @@ class ForkMaterializer(Materializer):
             shares.append(min(lost / used, 1.0) if used > 0 else 1.0)
         self.contention = sorted(shares)[1]
 
-    def prime(self, directory: Path) -> None:
+    def prime(self, directory: Path, submitted: float) -> None:
         """Queue a :class:`CostProbe` behind the writes in hand, for a state of the size last
-        submitted; only where the state is on CPU (a CUDA state's probe also measures the fork
-        and the write's contention, on the calling thread)."""
+        submitted (``submitted``: the seconds its snapshot and submit took the calling thread);
+        only where the state is on CPU (a CUDA state's probe also measures the fork and the
+        write's contention, on the calling thread)."""
         if self._cost_probe is None and not torch.cuda.is_initialized():
-            self._cost_probe = CostProbe(self._submitted_bytes, directory)
+            self._cost_probe = CostProbe(self._submitted_bytes, directory, submitted)
             self._writer.put(self._cost_probe, 0)
 
     def probe_cost(self, nbytes: int, directory: Path) -> float:
