@@ -381,10 +381,9 @@ class Materializer(ABC):
     def probe_cost(self, nbytes: int, directory: Path) -> float:
         """Measure, without writing a checkpoint, what submitting ``nbytes`` of state would cost."""
 
-    def prime(self, directory: Path, submitted: float) -> None:  # noqa: B027 - nothing to do
+    def prime(self, directory: Path) -> None:  # noqa: B027 - nothing to prepare by default
         """Start measuring in the background what :meth:`probe_cost` will be asked, for a state
-        of about the size last submitted, whose snapshot and submit took the calling thread
-        ``submitted`` seconds (called after a run's first write)."""
+        of about the size last submitted (called after a run's first write)."""
 
     @property
     def busy(self) -> bool:
@@ -431,25 +430,23 @@ def host_snapshot_job(job: WriteJob) -> WriteJob:
 
 
 class CostProbe:
-    """What a checkpoint of about ``nbytes`` costs training, measured beside it: the writer
-    thread's CPU time per byte for a probe write (as :meth:`ForkMaterializer.probe_cost` measures
-    it on the calling thread), and the calling thread's seconds per byte for the snapshot it
-    handed over with the run's first write (``submitted``).
+    """What a checkpoint write of about ``nbytes`` costs training: the writer thread's CPU time
+    per byte for a probe write, as :meth:`ForkMaterializer.probe_cost` measures it on the
+    calling thread.
 
     Queued behind a run's first write (its ``init.ckpt``), it runs beside the first epoch, so
-    the price the first decision needs is ready at that epoch's end without the training thread
-    copying and writing a probe there: that took 20-24 ms of a 10 MB state's 2-second fit of
-    0.1 s epochs, ~40% of what the record cost outside its checkpoints. The probe runs no torch
-    kernel on the writer thread (its buffer is filled by Python, the write is torch's
-    serialization, as every checkpoint's): a kernel there gets an OpenMP team of its own, and with
-    two torch threads on two cores that slowed the fits of 0.1 s epochs by 20-70% (one 4-second
-    fit took 114 s).
+    the write's price the first decision needs is ready at that epoch's end without the training
+    thread writing a probe there: that took ~14 ms of a 10 MB state's 2-second fit of 0.1 s
+    epochs, of the ~20 ms the price took the training thread (the rest is a warm copy, timed
+    there: the copy is the training thread's own cost). The probe runs no torch kernel on the
+    writer thread (its buffer is filled by Python, the write is torch's serialization, as every
+    checkpoint's): a kernel there gets an OpenMP team of its own, and with two torch threads on
+    two cores that slowed fits of 0.1 s epochs by 20-70% (one 4-second fit took 114 s).
     """
 
-    def __init__(self, nbytes: int, directory: Path, submitted: float) -> None:
+    def __init__(self, nbytes: int, directory: Path) -> None:
         self.nbytes = nbytes
         self.path = directory / f".stalwart-probe-{os.getpid()}"
-        self.copy_per_byte = submitted / max(nbytes, 1)
         self.write_per_byte: float | None = None
         self.done = threading.Event()
 
@@ -476,7 +473,8 @@ class WriterThread:
     The thread's CPU time is the most it can take from training where training uses every
     core (its serialization holds the interpreter lock; its checksum, writes and fsyncs release
     it and use another core, or wait for the disk): the recorder charges it until clean epochs
-    let it measure the slowdown instead.
+    let it measure the slowdown instead. It runs no torch kernel (copies are made on the calling
+    thread): one would start an OpenMP team of its own beside training's (see CostProbe).
     """
 
     def __init__(self) -> None:
@@ -636,13 +634,12 @@ class ForkMaterializer(Materializer):
             shares.append(min(lost / used, 1.0) if used > 0 else 1.0)
         self.contention = sorted(shares)[1]
 
-    def prime(self, directory: Path, submitted: float) -> None:
+    def prime(self, directory: Path) -> None:
         """Queue a :class:`CostProbe` behind the writes in hand, for a state of the size last
-        submitted (``submitted``: the seconds its snapshot and submit took the calling thread);
-        only where the state is on CPU (a CUDA state's probe also measures the fork and the
-        write's contention, on the calling thread)."""
+        submitted; only where the state is on CPU (a CUDA state's probe also measures the fork
+        and the write's contention, on the calling thread)."""
         if self._cost_probe is None and not torch.cuda.is_initialized():
-            self._cost_probe = CostProbe(self._submitted_bytes, directory, submitted)
+            self._cost_probe = CostProbe(self._submitted_bytes, directory)
             self._writer.put(self._cost_probe, 0)
 
     def probe_cost(self, nbytes: int, directory: Path) -> float:
@@ -670,10 +667,6 @@ class ForkMaterializer(Materializer):
     def _copy_cost(self, nbytes: int, directory: Path) -> float:
         """The copy on the calling thread, plus the writer thread's CPU time for the write (as
         measured on the writes it made, else on a probe write)."""
-        writing = self._write_cpu(nbytes, directory) * self.contention
-        primed = self._cost_probe
-        if primed is not None and primed.ready and not torch.cuda.is_initialized():
-            return primed.copy_per_byte * nbytes + writing
         probe = _probe_buffer(nbytes, 16 << 20)
         if torch.cuda.is_initialized():  # a CUDA state's copy: device to fresh pinned memory
             probe = probe.cuda()
@@ -682,6 +675,7 @@ class ForkMaterializer(Materializer):
         start = time.perf_counter()
         host_copy(probe)
         copied = time.perf_counter() - start
+        writing = self._write_cpu(nbytes, directory) * self.contention
         return copied * nbytes / probe.numel() + writing
 
     def _write_cpu(self, nbytes: int, directory: Path) -> float:

@@ -140,8 +140,8 @@ class Recorder:
     def write_initial(self, snapshot: Callable[[], Any], step: int) -> None:
         """Write the state training starts from (a replay from epoch 0 needs no user seeding) in
         the background like every checkpoint; behind it, price one for the first decision."""
-        self.charge_fixed(submitted := self.write(snapshot, INITIAL_EPOCH, "init.ckpt", step))
-        self.materializer.prime(self.store.run_dir(self.run_id), submitted)
+        self.charge_fixed(self.write(snapshot, INITIAL_EPOCH, "init.ckpt", step))
+        self.materializer.prime(self.store.run_dir(self.run_id))
 
     def charge_bookkeeping(self, seconds: float) -> None:
         """Charge seconds the adapter spent inside training on recording (log capture, per-batch
