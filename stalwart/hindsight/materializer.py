@@ -291,8 +291,18 @@ def _plain_tensor(tensor: torch.Tensor) -> bool:
 
 
 def _probe_buffer(nbytes: int, cap: int) -> torch.Tensor:
-    """Touched memory standing in for a state of ``nbytes`` (at most ``cap``) in a probe."""
-    return torch.ones(max(1, min(nbytes, cap)), dtype=torch.uint8)
+    """Touched memory standing in for a state of ``nbytes`` (at most ``cap``) in a probe; filled
+    by Python, not by a torch kernel, so the writer thread can make one too (see CostProbe)."""
+    return torch.frombuffer(bytearray(b"\x01") * max(1, min(nbytes, cap)), dtype=torch.uint8)
+
+
+def _write_cpu_per_byte(nbytes: int, path: Path) -> float:
+    """CPU seconds per byte of one probe write of a state of ``nbytes``, by the path its
+    checkpoints take (past the page cache from :data:`DIRECT_WRITE_BYTES`)."""
+    probe = _probe_buffer(nbytes, 16 << 20)
+    started = time.thread_time()
+    _probe_write(probe, path, nbytes >= DIRECT_WRITE_BYTES)
+    return (time.thread_time() - started) / probe.numel()
 
 
 def python_slowdown(work: Callable[[], Any]) -> tuple[float, float]:
@@ -452,11 +462,7 @@ class CostProbe:
 
     def run(self) -> None:
         try:
-            size = max(1, min(self.nbytes, 16 << 20))
-            probe = torch.frombuffer(bytearray(b"\x01") * size, dtype=torch.uint8)
-            started = time.thread_time()
-            _probe_write(probe, self.path, self.nbytes >= DIRECT_WRITE_BYTES)
-            self.write_per_byte = (time.thread_time() - started) / size
+            self.write_per_byte = _write_cpu_per_byte(self.nbytes, self.path)
         except Exception:  # the calling thread's probe then runs, and reports what fails
             pass
         finally:
@@ -693,13 +699,10 @@ class ForkMaterializer(Materializer):
         primed = self._cost_probe
         if primed is not None and primed.ready and (primed.nbytes >= DIRECT_WRITE_BYTES) == direct:
             return primed.write_per_byte * nbytes  # the same path, written beside training
-        probe = _probe_buffer(nbytes, 16 << 20)
         path = directory / f".stalwart-probe-{os.getpid()}"
         if not self._writer.writes:  # this writer has written nothing yet: warm up first
-            _probe_write(probe, path, direct)
-        started = time.thread_time()
-        _probe_write(probe, path, direct)
-        return (time.thread_time() - started) / probe.numel() * nbytes
+            _write_cpu_per_byte(nbytes, path)
+        return _write_cpu_per_byte(nbytes, path) * nbytes
 
     def _fork_cost(self, nbytes: int, directory: Path) -> float:
         """A fork (which grows with the process's mapped memory), the copy-on-write faults it
