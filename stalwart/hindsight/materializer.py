@@ -296,6 +296,41 @@ def _probe_buffer(nbytes: int, cap: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"\x01") * max(1, min(nbytes, cap)), dtype=torch.uint8)
 
 
+def _warm_copy_per_byte(copied: Any, state: Any, cap: int = 16 << 20) -> float | None:
+    """Seconds per byte of copying ``state``'s CPU tensors once more into ``copied``, the fresh
+    host copy just made of it (at most ``cap`` bytes of them); None if it holds none.
+
+    The memory was just written, as the allocator hands a later checkpoint's copy memory it has
+    used before: this is the price of a warm copy, taken from the state itself, not from a probe
+    buffer made for it (a 10 MB probe's buffer and its cold and warm copy took the training
+    thread ~14 ms at the first epoch's end; this ~1 ms, before training starts). The values
+    written are the ones already there: ``state`` cannot change between the two copies.
+    """
+    copies, layout = pytree.tree_flatten(copied)
+    leaves, state_layout = pytree.tree_flatten(state)
+    if layout != state_layout:  # (a copy deepcopy made differently: leaves would not pair)
+        return None
+    pairs, total = [], 0
+    for new, old in zip(copies, leaves, strict=True):
+        if total >= cap:
+            break
+        if (
+            type(new) is torch.Tensor
+            and isinstance(old, torch.Tensor)
+            and _plain_tensor(old)
+            and not old.is_cuda
+            and (new.shape, new.dtype) == (old.shape, old.dtype)
+        ):
+            pairs.append((new, old))
+            total += old.nbytes
+    if not total:
+        return None
+    start = time.perf_counter()
+    for new, old in pairs:
+        new.copy_(old)
+    return (time.perf_counter() - start) / total
+
+
 def _write_cpu_per_byte(nbytes: int, path: Path) -> float:
     """CPU seconds per byte of one probe write of a state of ``nbytes``, by the path its
     checkpoints take (past the page cache from :data:`DIRECT_WRITE_BYTES`)."""
@@ -447,11 +482,12 @@ class CostProbe:
     Queued behind a run's first write (its ``init.ckpt``), it runs beside the first epoch, so
     the write's price the first decision needs is ready at that epoch's end without the training
     thread writing a probe there: that took ~14 ms of a 10 MB state's 2-second fit of 0.1 s
-    epochs, of the ~20 ms the price took the training thread (the rest is a warm copy, timed
-    there: the copy is the training thread's own cost). The probe runs no torch kernel on the
-    writer thread (its buffer is filled by Python, the write is torch's serialization, as every
-    checkpoint's): a kernel there gets an OpenMP team of its own, and with two torch threads on
-    two cores that slowed fits of 0.1 s epochs by 20-70% (one 4-second fit took 114 s).
+    epochs, of the ~20 ms the price took the training thread (the copy, the training thread's
+    own cost, is priced there: see :func:`_warm_copy_per_byte`). The probe runs no torch kernel
+    on the writer thread (its buffer is filled by Python, the write is torch's serialization, as
+    every checkpoint's): a kernel there gets an OpenMP team of its own, and with two torch
+    threads on two cores that slowed fits of 0.1 s epochs by 20-70% (one 4-second fit took
+    114 s).
     """
 
     def __init__(self, nbytes: int, directory: Path) -> None:
@@ -615,6 +651,8 @@ class ForkMaterializer(Materializer):
         self._contention_measured = False
         self._submitted_bytes = 0
         self._cost_probe: CostProbe | None = None
+        #: A CPU state's warm copy, seconds per byte, timed on the first copy submitted.
+        self.copy_per_byte: float | None = None
         # A child must not be the first to import what torch.save needs: another thread of the
         # parent may have held the import lock at fork time.
         torch.save({"warm": torch.zeros(1)}, _NullWriter())
@@ -671,8 +709,12 @@ class ForkMaterializer(Materializer):
         return min(by_copy, by_fork)
 
     def _copy_cost(self, nbytes: int, directory: Path) -> float:
-        """The copy on the calling thread, plus the writer thread's CPU time for the write (as
-        measured on the writes it made, else on a probe write)."""
+        """The copy on the calling thread (at the rate of the first copy's warm repeat, else on a
+        probe buffer), plus the writer thread's CPU time for the write (as measured on the
+        writes it made, else on a probe write)."""
+        writing = self._write_cpu(nbytes, directory) * self.contention
+        if self.copy_per_byte is not None and not torch.cuda.is_initialized():
+            return self.copy_per_byte * nbytes + writing
         probe = _probe_buffer(nbytes, 16 << 20)
         if torch.cuda.is_initialized():  # a CUDA state's copy: device to fresh pinned memory
             probe = probe.cuda()
@@ -681,7 +723,6 @@ class ForkMaterializer(Materializer):
         start = time.perf_counter()
         host_copy(probe)
         copied = time.perf_counter() - start
-        writing = self._write_cpu(nbytes, directory) * self.contention
         return copied * nbytes / probe.numel() + writing
 
     def _write_cpu(self, nbytes: int, directory: Path) -> float:
@@ -756,6 +797,8 @@ class ForkMaterializer(Materializer):
             copied = refill_copy(spare, job.obj) if spare is not None else None
             if copied is None:
                 copied, from_cuda = _copy_to_host(job.obj)
+                if self.copy_per_byte is None and not from_cuda:
+                    self.copy_per_byte = _warm_copy_per_byte(copied, job.obj)
             else:
                 from_cuda = True
                 self.refills += 1

@@ -24,6 +24,7 @@ from stalwart.hindsight.materializer import (
     InlineMaterializer,
     WriteJob,
     WriterThread,
+    _warm_copy_per_byte,
     host_copy,
     make_materializer,
     python_slowdown,
@@ -410,8 +411,8 @@ def test_the_write_price_leaves_out_the_processs_first_write(tmp_path, monkeypat
 
 def test_the_first_price_is_measured_beside_training_after_the_first_write(tmp_path, monkeypatch):
     """Primed behind a run's first write, the probe write runs on the writer thread, with no
-    torch kernel there (see CostProbe): the first decision's price then costs the training
-    thread a warm copy (its own cost), not a probe write."""
+    torch kernel there (see CostProbe); the copy is priced by the first copy's warm repeat: the
+    first decision's price then costs the training thread neither a probe write nor a copy."""
     import stalwart.hindsight.materializer as materializer_module
 
     threads: list[tuple[str, str]] = []
@@ -443,13 +444,34 @@ def test_the_first_price_is_measured_beside_training_after_the_first_write(tmp_p
     writer, here = "stalwart-checkpoint-writer", threading.current_thread().name
     assert threads == [("write", writer)]
     price = materializer.probe_cost(3 * MB, tmp_path)
-    assert threads[1:] == [("copy", here), ("copy", here)]  # a warm copy, and no write, here
-    assert probe.write_per_byte * 3 * MB < price < 1.0
+    assert threads[1:] == []  # no copy and no write here
+    copy_per_byte = materializer.copy_per_byte
+    assert copy_per_byte is not None and copy_per_byte > 0
+    assert price == pytest.approx((probe.write_per_byte + copy_per_byte) * 3 * MB)
     # A state written past the page cache is priced by a probe of that path, here and now.
     materializer.probe_cost(DIRECT_WRITE_BYTES, tmp_path)
-    assert ("write", here) in threads[3:]
+    assert threads[1:] == [("write", here)]
     materializer.close()
     assert [path.name for path in tmp_path.iterdir()] == ["init.pt"]  # no probe file left
+
+
+def test_the_copys_price_is_timed_on_the_first_copy_which_it_leaves_as_it_was(tmp_path):
+    """The warm repeat that prices the copy writes into the copy about to be written: the file
+    still holds the state, tied tensors still share storage; a copy whose structure differs from
+    the state (no leaves to pair) gives no price, and the probe prices the copy then."""
+    results: list[WrittenFile] = []
+    shared = torch.randn(MB // 4, generator=torch.Generator().manual_seed(1))
+    state = {"a": shared, "tied": shared, "half": shared[: MB // 8], "step": 7, "name": "x"}
+    materializer = ForkMaterializer()
+    materializer.submit(WriteJob(state, tmp_path / "init.pt", results.append))
+    materializer.close()
+    assert materializer.copy_per_byte is not None and materializer.copy_per_byte > 0
+    loaded = written(results, tmp_path / "init.pt")
+    assert torch.equal(loaded["a"], shared) and torch.equal(loaded["half"], shared[: MB // 8])
+    assert loaded["tied"].untyped_storage().data_ptr() == loaded["a"].untyped_storage().data_ptr()
+    assert (loaded["step"], loaded["name"]) == (7, "x")
+    assert _warm_copy_per_byte({"b": shared.clone()}, {"a": shared}) is None
+    assert _warm_copy_per_byte({"step": 1}, {"step": 1}) is None
 
 
 def test_a_probe_that_fails_leaves_the_price_to_the_calling_thread(tmp_path, monkeypatch):
