@@ -296,9 +296,9 @@ def _probe_buffer(nbytes: int, cap: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"\x01") * max(1, min(nbytes, cap)), dtype=torch.uint8)
 
 
-def _warm_copy_per_byte(copied: Any, state: Any, cap: int = 16 << 20) -> float | None:
-    """Seconds per byte of copying ``state``'s CPU tensors once more into ``copied``, the fresh
-    host copy just made of it (at most ``cap`` bytes of them); None if it holds none.
+def _warm_copy_per_byte(copied: Any, state: Any) -> float | None:
+    """Seconds per tensor byte of copying ``state`` once more into ``copied``, the fresh host
+    copy just made of it (:func:`refill_copy`); None if it holds no tensor or does not pair.
 
     The memory was just written, as the allocator hands a later checkpoint's copy memory it has
     used before: this is the price of a warm copy, taken from the state itself, not from a probe
@@ -306,29 +306,11 @@ def _warm_copy_per_byte(copied: Any, state: Any, cap: int = 16 << 20) -> float |
     thread ~14 ms at the first epoch's end; this ~1 ms, before training starts). The values
     written are the ones already there: ``state`` cannot change between the two copies.
     """
-    copies, layout = pytree.tree_flatten(copied)
-    leaves, state_layout = pytree.tree_flatten(state)
-    if layout != state_layout:  # (a copy deepcopy made differently: leaves would not pair)
-        return None
-    pairs, total = [], 0
-    for new, old in zip(copies, leaves, strict=True):
-        if total >= cap:
-            break
-        if (
-            type(new) is torch.Tensor
-            and isinstance(old, torch.Tensor)
-            and _plain_tensor(old)
-            and not old.is_cuda
-            and (new.shape, new.dtype) == (old.shape, old.dtype)
-        ):
-            pairs.append((new, old))
-            total += old.nbytes
-    if not total:
-        return None
     start = time.perf_counter()
-    for new, old in pairs:
-        new.copy_(old)
-    return (time.perf_counter() - start) / total
+    refilled = refill_copy(copied, state)
+    seconds = time.perf_counter() - start
+    nbytes = tensor_bytes(state)
+    return seconds / nbytes if refilled is not None and nbytes else None
 
 
 def _write_cpu_per_byte(nbytes: int, path: Path) -> float:
