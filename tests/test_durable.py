@@ -192,6 +192,47 @@ def test_without_o_direct_the_same_bytes_go_through_the_page_cache(tmp_path, mon
         assert not handle.direct
 
 
+def test_a_staged_save_is_serialized_at_once_and_in_place_only_once_committed(tmp_path):
+    """stage_torch serializes the object as it is when called (a change after it is not in the
+    file); nothing is at the path until commit_staged, which leaves what save_torch leaves."""
+    path = tmp_path / "epoch=0001.ckpt"
+    durable.save_torch({"w": torch.zeros(3)}, path, seal=False)  # the file already there
+    state = {"w": torch.randn(1 << 20), "step": 5}
+    expected = state["w"].clone()
+    assert durable.stage_torch(state, path) > 0
+    state["w"].mul_(-1.0)  # as the next optimizer step would, before the writer commits
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.zeros(3))
+    assert durable.is_temp(durable.temp_path_for(path))
+    written = durable.commit_staged(path)
+    loaded = torch.load(path, weights_only=True)
+    assert torch.equal(loaded["w"], expected) and loaded["step"] == 5
+    durable.verify_file(path, written.nbytes, written.crc32)
+    assert written.nbytes == path.stat().st_size and written.path == str(path)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_a_torn_staged_file_is_refused_and_the_previous_file_kept(tmp_path):
+    path = tmp_path / "epoch=0001.ckpt"
+    durable.save_torch({"w": torch.ones(3)}, path, seal=False)
+    before = path.read_bytes()
+    with pytest.raises(CorruptCheckpointError, match="nothing staged"):
+        durable.commit_staged(path)
+    durable.stage_torch({"w": torch.randn(1 << 16)}, path)
+    temp = durable.temp_path_for(path)
+    temp.write_bytes(temp.read_bytes()[:-100])  # torn: the zip's directory cut off
+    with pytest.raises(CorruptCheckpointError, match="not a complete zip"):
+        durable.commit_staged(path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_a_failing_stage_leaves_no_temp(tmp_path):
+    path = tmp_path / "state.pt"
+    with pytest.raises(Exception, match="pickle"):
+        durable.stage_torch({"w": torch.ones(1 << 20), "hook": lambda: None}, path)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_streaming_writer_counts_every_byte(tmp_path):
     chunks = [b"a" * 10, memoryview(b"bc"), bytearray(b"def")]
 

@@ -65,6 +65,7 @@ import torch
 from digits import DigitsClassifier, DigitsDataModule
 
 from stalwart import HindsightCallback
+from stalwart.hindsight.materializer import ForkMaterializer
 
 
 class EveryEpoch(HindsightCallback):
@@ -76,7 +77,7 @@ torch.set_num_threads(1)
 L.seed_everything(0)
 trainer = L.Trainer(
     max_epochs=1000,  # never finishes: the test kills it
-    callbacks=[EveryEpoch(dirpath={dirpath!r})],
+    callbacks=[EveryEpoch(dirpath={dirpath!r}, materializer=ForkMaterializer(stage={stage}))],
     accelerator="cpu",
     logger=False,
     enable_checkpointing=False,
@@ -186,10 +187,16 @@ class _StartProbe(L.Callback):
 # -- the training process killed mid-run ---------------------------------------------------------
 
 
-def _start_training(tmp_path: Path, dirpath: Path, log) -> subprocess.Popen:
+def _start_training(
+    tmp_path: Path, dirpath: Path, log, stage: bool | None = None
+) -> subprocess.Popen:
+    """The training script in a process of its own; ``stage``: its materializer's (see
+    :class:`ForkMaterializer`; with one torch thread the default copies)."""
     script = tmp_path / "train.py"
     script.write_text(
-        TRAIN_SCRIPT.format(examples=str(EXAMPLES), dirpath=str(dirpath), width=WIDTH, depth=DEPTH)
+        TRAIN_SCRIPT.format(
+            examples=str(EXAMPLES), dirpath=str(dirpath), width=WIDTH, depth=DEPTH, stage=stage
+        )
     )
     return subprocess.Popen(
         [sys.executable, str(script)],
@@ -253,13 +260,16 @@ def _integrity_check(db: Path) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_sigkilled_training_leaves_a_consistent_resumable_record(tmp_path):
+@pytest.mark.parametrize("stage", [None, True], ids=["copied", "staged"])
+def test_sigkilled_training_leaves_a_consistent_resumable_record(tmp_path, stage):
+    """SIGKILL mid-write: checkpoints copied to the writer thread (the default with one torch
+    thread), and serialized on the training thread and committed by the writer (staged)."""
     dirpath = tmp_path / "runs"
     run_dir = dirpath / "run_0001"
     log_path = tmp_path / "train.log"
     killed_mid_write = False
     with open(log_path, "wb") as log:
-        proc = _start_training(tmp_path, dirpath, log)
+        proc = _start_training(tmp_path, dirpath, log, stage)
         try:
             # 1. Wait until 3 checkpoints are indexed.
             _wait_for_checkpoints(proc, dirpath, log_path)

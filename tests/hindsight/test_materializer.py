@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stalwart import durable
 from stalwart.durable import WrittenFile
 from stalwart.hindsight.checkpoint_file import (
     DIRECT_WRITE_BYTES,
@@ -29,6 +30,7 @@ from stalwart.hindsight.materializer import (
     make_materializer,
     python_slowdown,
     refill_copy,
+    writer_has_a_core,
 )
 from stalwart.pipeline.threadclock import ThreadClock
 from tests.helpers import pages_in_page_cache, require_direct_io
@@ -347,6 +349,99 @@ def test_on_cpu_the_copy_is_taken_and_no_fork_is_probed(tmp_path, monkeypatch):
     assert (materializer.copies, materializer.forks) == (1, 0)
 
 
+def test_a_staged_checkpoint_is_the_state_at_submit_serialized_there_and_committed_behind(
+    tmp_path,
+):
+    """Staged: the calling thread serializes the state itself (no copy is made; a change right
+    after submit is not in the file) and the writer thread only commits it, in order, indexed
+    as a written one is; its CPU time is charged after the fact like a write's."""
+    materializer = ForkMaterializer(stage=True)
+    recorder = Recorder(tmp_path / "index.tsv")
+    main_thread = 0.0
+    for i in range(6):
+        state = {"w": torch.full((1 << 18,), float(i)), "step": i}
+        main_thread += materializer.submit(WriteJob(state, tmp_path / f"{i}.pt", recorder))
+        state["w"].zero_()  # in place, as the next optimizer step would
+    materializer.close()
+    assert (materializer.stages, materializer.copies, materializer.forks) == (6, 0, 0)
+    assert materializer.failures == []
+    results = recorder.results()
+    assert [Path(r.path).name for r in results] == [f"{i}.pt" for i in range(6)]
+    for i in range(6):
+        loaded = written(results, tmp_path / f"{i}.pt")
+        assert torch.equal(loaded["w"], torch.full((1 << 18,), float(i))) and loaded["step"] == i
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{i}.pt" for i in range(6)] + ["index.tsv"]
+    )  # no temp left
+    assert materializer.stage_bytes == 6 << 20 and 0 < materializer.stage_seconds <= main_thread
+    assert materializer.take_background_cost() > 0  # the commits' CPU: charged once
+    assert materializer.take_background_cost() == 0
+
+
+def test_a_staged_checkpoint_that_cannot_be_committed_is_reported(tmp_path, monkeypatch):
+    """A staged file lost before its commit (a cleaner, a full disk's torn write) is reported
+    as a failed write is, and nothing is put in place."""
+    import stalwart.hindsight.materializer as materializer_module
+
+    commit = materializer_module._run_job
+
+    def lost_first(job):
+        durable.temp_path_for(job.path).unlink()
+        commit(job)
+
+    monkeypatch.setattr(materializer_module, "_run_job", lost_first)
+    materializer = ForkMaterializer(stage=True)
+    materializer.submit(WriteJob({"w": torch.ones(4)}, tmp_path / "x.pt"))
+    materializer.close()
+    assert len(materializer.failures) == 1 and "x.pt" in materializer.failures[0]
+    assert "nothing staged" in materializer.failures[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpoints_are_staged_where_training_leaves_the_writer_no_core(monkeypatch):
+    """By default a CPU state is staged where torch's threads take every core this process may
+    use, and copied to the writer thread where one is free or where it is written past the page
+    cache; never with CUDA in use (the fork or the pinned copy), nor where the caller chose the
+    path by size."""
+    cores = len(os.sched_getaffinity(0))
+    own = torch.get_num_threads()
+    small, large = 10 * MB, DIRECT_WRITE_BYTES
+    try:
+        torch.set_num_threads(cores)
+        assert not writer_has_a_core()
+        assert ForkMaterializer().stages_for(small) and not ForkMaterializer().stages_for(large)
+        assert not ForkMaterializer(small_bytes=MB).stages_for(small)
+        assert not ForkMaterializer(stage=False).stages_for(small)
+        assert ForkMaterializer(stage=True).stages_for(large)
+        if cores > 1:
+            torch.set_num_threads(cores - 1)
+            assert writer_has_a_core() and not ForkMaterializer().stages_for(small)
+            assert ForkMaterializer(stage=True).stages_for(small)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        assert not ForkMaterializer(stage=True).stages_for(small)
+    finally:
+        torch.set_num_threads(own)
+
+
+def test_a_staged_checkpoints_price_is_the_staging_measured_and_no_probe_is_written(tmp_path):
+    """Staged, the first decision's price is the run's first write's own serialization (its
+    init.ckpt) at its rate per byte, plus the writer's commits; nothing is probed beside
+    training and nothing left on disk."""
+    materializer = ForkMaterializer(stage=True)
+    materializer.submit(WriteJob(big_state(4), tmp_path / "init.ckpt"))
+    materializer.prime(tmp_path)
+    assert materializer._cost_probe is None
+    materializer._writer.drain()
+    rate = materializer.stage_seconds / materializer.stage_bytes
+    price = materializer.probe_cost(8 * MB, tmp_path)
+    assert rate * 8 * MB <= price <= 2 * rate * 8 * MB + 0.01
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["init.ckpt"]
+    materializer.close()
+    fresh = ForkMaterializer(stage=True)  # nothing staged yet: a probe staged and removed
+    assert fresh.probe_cost(8 * MB, tmp_path) > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["init.ckpt"]
+
+
 def test_the_measured_probe_prices_both_paths(tmp_path):
     """On this machine, measured: both estimates positive; a 16 MB state's copy path costs at
     least its copy and write CPU, its fork path at least the fork."""
@@ -610,10 +705,12 @@ def test_unknown_materializer_is_rejected():
         make_materializer("thread")
 
 
-@pytest.mark.parametrize("small_bytes", [0, 16 << 20], ids=["fork-cow", "copy-thread"])
-def test_checkpoints_written_by_the_callback_hold_the_state_at_their_epoch_boundary(
-    tmp_path, small_bytes
-):
+@pytest.mark.parametrize(
+    "path",
+    [{"small_bytes": 0}, {"small_bytes": 16 << 20}, {"stage": True}],
+    ids=["fork-cow", "copy-thread", "staged"],
+)
+def test_checkpoints_written_by_the_callback_hold_the_state_at_their_epoch_boundary(tmp_path, path):
     """End to end: the optimizer steps right after each fork never leak into the file."""
     import lightning as L
     from digits import DigitsClassifier, DigitsDataModule
@@ -641,7 +738,7 @@ def test_checkpoints_written_by_the_callback_hold_the_state_at_their_epoch_bound
     trainer = L.Trainer(
         max_epochs=4,
         callbacks=[
-            EveryEpoch(dirpath=tmp_path, materializer=ForkMaterializer(small_bytes=small_bytes)),
+            EveryEpoch(dirpath=tmp_path, materializer=ForkMaterializer(**path)),
             witness,
         ],
         logger=False,
