@@ -835,12 +835,18 @@ def sized_workload(state_mb: float, epoch_seconds: float, epochs: int) -> Worklo
 
     # A Lightning batch costs more than the bare step (the loop, its hooks, data loading): a
     # small model's epoch sized from the step alone ran 2-3x too long. One epoch of a plain fit
-    # is timed as the difference of a 2- and a 1-epoch fit (the fit's start cancels out).
+    # is timed as the difference of a 2- and a 1-epoch fit (the fit's start cancels out), three
+    # times, the median kept: sized from one difference, the same cell's epochs came out 0.07 s
+    # in one run and 0.19 s in another (two-thread fits here are bimodal), and its fixed costs
+    # weighed 2.6x as much in the one as in the other.
     probe = sized(max(1, min(batches, round(1.0 / step))), 1)
-    one, two = fit_once(probe, "plain"), fit_once(replace(probe, epochs=2), "plain")
-    validation = two.validation / 2
     probe_batches = math.ceil(probe.train_size * probe.repeats / batch_size)
-    per_batch = (two.seconds - one.seconds - validation) / probe_batches
+    timings = []
+    for _ in range(3):
+        one, two = fit_once(probe, "plain"), fit_once(replace(probe, epochs=2), "plain")
+        timings.append((two.seconds - one.seconds - two.validation / 2, two.validation / 2))
+    per_epoch, validation = statistics.median(timings)
+    per_batch = per_epoch / probe_batches
     batches = round((epoch_seconds - validation) / per_batch)
     if batches < 1:
         return f"one batch + validation take {per_batch + validation:.2f} s > {epoch_seconds} s"
