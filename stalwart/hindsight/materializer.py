@@ -631,7 +631,7 @@ class ForkMaterializer(Materializer):
             others then wait for: a 10 MB checkpoint's write took a median 12-13 ms from a
             two-thread fit on two cores for 6-7 ms of CPU, the copy 1.7 ms more; staged, it
             takes the training thread 7-8 ms and the writer ~1 ms of CPU. With a core free, the
-            copy (1.7 ms) is all the thread path takes from training.
+            writer thread serializes on it, and the training thread pays for the copy (1.7 ms).
 
     Example::
 
