@@ -628,9 +628,11 @@ class ForkMaterializer(Materializer):
             written through the page cache (under ``DIRECT_WRITE_BYTES`` of tensors; larger ones
             are copied and written past it, whose cost on the training thread is not measured).
             There the thread's serialization displaces one thread of training's team, which the
-            others then wait for: a 10 MB checkpoint's write took a median 12-13 ms from a
-            two-thread fit on two cores for 6-7 ms of CPU, the copy 1.7 ms more; staged, it
-            takes the training thread 7-8 ms and the writer ~1 ms of CPU. With a core free, the
+            others then wait for: the meter charged a 10 MB checkpoint's write a median 12-13 ms
+            of a two-thread fit on two cores for 6-7 ms of CPU, the copy 1.7 ms more; staged, it
+            takes the training thread 7-8 ms and the writer ~1 ms of CPU, and the record's figure
+            came out 0.3-2 points lower. Fits interleaved with the writer thread's did not tell
+            the two apart by wall clock (staged faster in 23 of 48 rounds). With a core free, the
             writer thread serializes on it, and the training thread pays for the copy (1.7 ms).
 
     Example::
