@@ -423,13 +423,12 @@ def save_torch(
         if direct:
             return _save_direct(obj, temp, seal)
         torch.save(obj, os.fspath(temp))
+        if not seal:
+            return _fsync_archive(temp)
         with open(temp, "r+b") as handle:
-            if not seal:
-                nbytes, crc32 = zip_tail_checksum(handle)
-            else:
-                nbytes, crc32 = _checksum(handle)
-                handle.write(_SEAL.pack(nbytes, crc32, _SEAL_MAGIC))
-                handle.flush()
+            nbytes, crc32 = _checksum(handle)
+            handle.write(_SEAL.pack(nbytes, crc32, _SEAL_MAGIC))
+            handle.flush()
             os.fsync(handle.fileno())
         return nbytes, crc32
 
@@ -467,14 +466,15 @@ def commit_staged(path: str | os.PathLike) -> WrittenFile:
     temp = temp_path_for(path)
     if not temp.exists():
         raise CorruptCheckpointError(f"nothing staged for {path} (no {temp.name}); stage it first.")
+    return _replace_atomically(path, _fsync_archive)
 
-    def write(staged: Path) -> tuple[int, int]:
-        with open(staged, "rb") as handle:
-            nbytes, crc32 = zip_tail_checksum(handle)
-            os.fsync(handle.fileno())
-        return nbytes, crc32
 
-    return _replace_atomically(path, write)
+def _fsync_archive(temp: Path) -> tuple[int, int]:
+    """fsync a ``torch.save`` archive written unsealed; its size and :func:`zip_tail_checksum`."""
+    with open(temp, "rb") as handle:
+        nbytes, crc32 = zip_tail_checksum(handle)
+        os.fsync(handle.fileno())
+    return nbytes, crc32
 
 
 def _save_direct(obj: Any, temp: Path, seal: bool) -> tuple[int, int]:
