@@ -11,12 +11,22 @@ or not. So the cost is measured where it lands: an epoch during which a writer w
 ("shadowed") is compared with the lower quartile of clean epochs (no writer alive at any point),
 and the difference is charged to checkpointing. Whole epochs, validation included, so slowdowns
 spread over many batches count as much as the copy-on-write spike of the first one.
+
+A machine can also slow down as a whole, mid-run (here: epochs moving from ~0.10 s to ~0.14 s for
+the rest of a fit, with or without a writer). A quartile of the last 32 clean epochs would hold
+the earlier speed for a dozen more clean epochs and charge the move to every checkpoint in
+between (27-59 ms each on 0.1 s epochs), pricing checkpoints 3-5x too high; so the baseline
+follows once the last few clean epochs are all slower than it.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import deque
+
+#: Clean epochs in a row, all slower than the baseline, that move it: the machine has slowed.
+FOLLOW_AFTER = 3
 
 
 class InterferenceMeter:
@@ -46,12 +56,17 @@ class InterferenceMeter:
     def baseline(self) -> float | None:
         """The lower quartile of clean epochs: noise (and after-effects of a writer that has just
         exited) only ever slows an epoch down, so a low quantile is the fairer "no writer" time,
-        and erring low over-charges checkpoints rather than exceeding the budget."""
+        and erring low over-charges checkpoints rather than exceeding the budget. Unless the last
+        :data:`FOLLOW_AFTER` clean epochs were all slower: then the machine has slowed as a whole
+        and the fastest of them is the baseline (one slow clean epoch among fast ones is noise
+        and moves nothing; a machine that speeds up lowers the quartile by itself)."""
         if not self._clean:
             return None
         if len(self._clean) < 4:
             return min(self._clean)
-        return statistics.quantiles(self._clean, n=4)[0]
+        quartile = statistics.quantiles(self._clean, n=4)[0]
+        recent = min(itertools.islice(reversed(self._clean), FOLLOW_AFTER))
+        return max(quartile, recent)
 
     @property
     def settled(self) -> bool:

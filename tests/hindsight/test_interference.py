@@ -35,3 +35,25 @@ def test_warmup_never_baselines_and_shadowed_epochs_wait_for_a_baseline():
     assert meter.take() == 0.0
     meter.observe(1.0, shadowed=False)
     assert meter.take() == pytest.approx(0.4)
+
+
+def test_a_machine_that_slows_down_as_a_whole_is_not_charged_to_checkpoints():
+    meter = InterferenceMeter()
+    for _ in range(8):
+        meter.observe(1.0, shadowed=False)
+    meter.observe(1.4, shadowed=False)  # one slow clean epoch among fast ones: noise
+    meter.observe(1.0, shadowed=False)
+    meter.observe(1.4, shadowed=False)
+    assert meter.baseline == pytest.approx(1.0)
+    meter.observe(1.4, shadowed=False)
+    meter.observe(1.4, shadowed=False)  # three in a row: every epoch is slower now
+    assert meter.baseline == pytest.approx(1.4)
+    meter.observe(1.5, shadowed=True)
+    assert meter.take() == pytest.approx(0.1)  # the write's slowdown, not the machine's
+
+
+def test_a_machine_that_speeds_up_lowers_the_baseline():
+    meter = InterferenceMeter()
+    for seconds in [1.4] * 8 + [1.0] * 4:
+        meter.observe(seconds, shadowed=False)
+    assert meter.baseline == pytest.approx(1.0)

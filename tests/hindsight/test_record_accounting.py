@@ -7,6 +7,7 @@ import sqlite3
 import threading
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import lightning as L
 import pytest
@@ -205,11 +206,10 @@ class SlowingWriter(Materializer):
         return float(taken)
 
 
-def test_a_writer_threads_cpu_time_stands_in_only_until_clean_epochs_measure_its_slowdown(
-    tmp_path, monkeypatch
-):
-    # On an injected clock: epochs of exactly 30 ms, 20 ms more with a write in flight (slept,
-    # a loaded machine stalled a few epochs by more than the slowdown being measured).
+def charged_on_an_injected_clock(tmp_path, monkeypatch, epochs: int, epoch_seconds) -> Any:
+    """Records ``epochs`` epochs of ``epoch_seconds(epoch)`` on an injected clock, each write
+    by a :class:`SlowingWriter` slowing the epoch after it; checkpoints at even epochs, so odd
+    epochs carry a write and even ones are clean. Returns the interference charged per epoch."""
     import stalwart.hindsight.recorder as recorder_module
 
     now = [0.0]
@@ -218,19 +218,41 @@ def test_a_writer_threads_cpu_time_stands_in_only_until_clean_epochs_measure_its
     recorder = Recorder(tmp_path, materializer=writer)
     recorder.begin(hparams={}, fingerprints={}, config={})
     recorder.train_started()
-    for epoch in range(14):  # checkpoints at even epochs: odd epochs carry a write, even are clean
+    for epoch in range(epochs):
         recorder.epoch_started()
-        now[0] += 0.03 + (SlowingWriter.SLOWDOWN if writer.in_flight else 0.0)
+        now[0] += epoch_seconds(epoch) + (SlowingWriter.SLOWDOWN if writer.in_flight else 0.0)
         even = epoch % 2 == 0
         recorder.epoch_ended(epoch, state_bytes=lambda: 1000, veto=lambda _, even=even: even)
         writer.in_flight = False  # written during the epoch that just ended
         recorder.materialize_due(lambda: {"weights": None}, step=epoch)
     recorder.finish("completed")
     with stalwart.hindsight.open(tmp_path) as store:
-        charged = store.run().decisions().set_index("epoch").interference
+        return store.run().decisions().set_index("epoch").interference
+
+
+def test_a_writer_threads_cpu_time_stands_in_only_until_clean_epochs_measure_its_slowdown(
+    tmp_path, monkeypatch
+):
+    # Epochs of exactly 30 ms, 20 ms more with a write in flight (not slept: a loaded machine
+    # stalled a few epochs by more than the slowdown being measured).
+    charged = charged_on_an_injected_clock(tmp_path, monkeypatch, 14, lambda epoch: 0.03)
     # Epochs 1, 3, 5, 7 ran before four clean epochs (2, 4, 6, 8) existed: the CPU time stands in.
     assert charged[[1, 3, 5, 7]].tolist() == [1.0] * 4
     # Later writes are charged the slowdown measured (20 ms each), not 1 s of CPU time; the
     # clean epochs nothing.
     assert charged[[9, 11, 13]].tolist() == pytest.approx([SlowingWriter.SLOWDOWN] * 3)
     assert charged[[0, 2, 4, 6, 8, 10, 12]].tolist() == [0.0] * 7
+
+
+def test_a_machine_slowing_down_midrun_is_not_charged_to_the_checkpoints(tmp_path, monkeypatch):
+    # Epochs of 30 ms, from epoch 14 on 45 ms (the whole machine slowed, as this one's does
+    # between its fast and slow modes), 20 ms more with a write in flight.
+    charged = charged_on_an_injected_clock(
+        tmp_path, monkeypatch, 30, lambda epoch: 0.03 if epoch < 14 else 0.045
+    )
+    assert charged[[9, 11, 13]].tolist() == pytest.approx([SlowingWriter.SLOWDOWN] * 3)
+    # Once three clean epochs (14, 16, 18) say the machine is slower, each write is charged its
+    # own 20 ms again, not the 15 ms every epoch slowed by beside it (35 ms: 1.75x the price).
+    assert charged[[19, 21, 23, 25, 27, 29]].tolist() == pytest.approx([SlowingWriter.SLOWDOWN] * 6)
+    # Only the two writes between the move and the third slow clean epoch (15, 17) pay for it.
+    assert charged[[15, 17]].tolist() == pytest.approx([SlowingWriter.SLOWDOWN + 0.015] * 2)
