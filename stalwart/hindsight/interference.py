@@ -25,7 +25,8 @@ import itertools
 import statistics
 from collections import deque
 
-#: Clean epochs in a row, all slower than the baseline, that move it: the machine has slowed.
+#: Clean epochs in a row, all slower than the clean epochs' lower quartile, that move the
+#: baseline to the fastest of them: the machine has slowed as a whole.
 FOLLOW_AFTER = 3
 
 
