@@ -52,11 +52,15 @@ def _count_gradients(result: PSRunResult, reports: list[dict], lineage: list[Rec
     result.duplicates = len(applied_ids) - len(set(applied_ids))
     result.lost = len(produced_ids - set(applied_ids))
     result.updates = len(lineage)
+    # "trailed": how many of a backlog's gradients the PS read as workers' running sums.
     result.backlogs = [
-        {"ref": r.ref, "gradients": len(r.ids), "workers": r.merged, "scale": r.scale}
+        {
+            "ref": r.ref, "gradients": len(r.ids), "workers": r.merged, "scale": r.scale,
+            "trailed": sum(end - start for start, end in r.sums),
+        }
         for r in lineage
         if r.merged
-    ]
+    ]  # fmt: skip
 
 
 def _record_kills(result: PSRunResult, kills: list[Kill], reports: list[dict]) -> None:

@@ -6,6 +6,8 @@
                       header: version, ``log`` (lineage ref), cursors.
 ``log/E/V``           audit record of the update that made E/V: gradient ids, lr, scale, parent.
 ``g/W/K``             worker W's K-th gradient; ``n/W`` how many W has pushed (only W writes it).
+``trail/W``           a stateless worker's running sum of its gradients ``[from, to)`` while the
+                      PS has not committed for a while (header: w, from, to).
 ``ready/W``, ``go``    worker W is loaded; all may start. ``done/W`` W has finished.
 ``halt``              workers stop producing (a timed run); ``stop`` the PS drains and exits.
 ``epoch``             counter: each PS incarnation takes the next number.
@@ -54,6 +56,10 @@ def log(ref: str) -> str:
 
 def gradient(worker: int, step: int) -> str:
     return f"g/{worker}/{step}"
+
+
+def trail(worker: int) -> str:
+    return f"trail/{worker}"
 
 
 def count(worker: int) -> str:

@@ -10,13 +10,13 @@ checkpoint restart rolled back, are not on the lineage.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from stalwart.ps import layout
 from stalwart.ps.store import KeyValueStore
-from stalwart.ps.update import apply_update, gradient_sum
+from stalwart.ps.update import apply_update, gradient_sum_with_trails
 from stalwart.ps.wire import unpack, unpack_header, vector_view
 
 
@@ -24,7 +24,8 @@ from stalwart.ps.wire import unpack, unpack_header, vector_view
 class Record:
     """One committed update: its ref ``epoch/version``, gradient ids, lr, scale, and the queue
     cursors after it (gradients ``(w, k)`` with ``k < cursors[w]`` were taken); ``merged`` > 0
-    marks a backlog merged as the mean of that many workers' local trajectories."""
+    marks a backlog merged as the mean of that many workers' local trajectories; ``sums`` lists
+    the ``[start, end)`` spans of ``ids`` that arrived as a worker's trail (pre-summed)."""
 
     ref: str
     ids: list[tuple[int, int]]
@@ -34,6 +35,7 @@ class Record:
     t: float
     cursors: list[int]
     merged: int = 0
+    sums: list[list[int]] = field(default_factory=list)
 
 
 def head_state(store: KeyValueStore) -> tuple[str, dict, torch.Tensor]:
@@ -53,7 +55,8 @@ def walk(store: KeyValueStore, ref: str) -> list[Record]:
         data = json.loads(raw)
         records.append(
             Record(ref, [tuple(i) for i in data["ids"]], data["lr"], data["scale"],
-                   data["parent"], data["t"], data["cursors"], data.get("merged", 0))
+                   data["parent"], data["t"], data["cursors"], data.get("merged", 0),
+                   data.get("sums", []))
         )  # fmt: skip
         ref = data["parent"]
     return records[::-1]
@@ -83,7 +86,8 @@ def replay(store: KeyValueStore, records: list[Record]) -> torch.Tensor:
     weights = state_weights(store, layout.INITIAL)
     for record in records:
         keys = [layout.gradient(w, k) for w, k in record.ids]
-        total = gradient_sum(vector_view(blob) for blob in store.get_many(keys))
+        vectors = [vector_view(blob) for blob in store.get_many(keys)]
+        total = gradient_sum_with_trails(vectors, record.sums)
         assert total is not None, "an audit record always lists at least one gradient"
         weights = apply_update(weights, total, record.lr, record.scale)
     return weights

@@ -200,10 +200,16 @@ class ParameterServer:
         self.head_raw, self.head_key = desired, key
 
     def _apply(
-        self, ids: list[list[int]], total: torch.Tensor, scale: float, merged: int = 0
+        self,
+        ids: list[list[int]],
+        total: torch.Tensor,
+        scale: float,
+        merged: int = 0,
+        sums: list[list[int]] | None = None,
     ) -> None:
         """Apply and commit one update; ``merged`` > 0 marks a backlog merged as the mean of
-        that many workers' trajectories (the audit and the run's counters report it)."""
+        that many workers' trajectories (the audit and the run's counters report it); ``sums``
+        the spans of ``ids`` that came as workers' trails (the replay sums them alike)."""
         parent = self.ref
         self.weights = apply_update(self.weights, total, self.config.lr, scale)
         self.version += 1
@@ -213,6 +219,8 @@ class ParameterServer:
         }  # fmt: skip
         if merged:
             record["merged"] = merged
+        if sums:
+            record["sums"] = sums
         blob = self._commit(record)
         mode = self.config.mode
         if mode.startswith("checkpoint") and self.version % self.config.checkpoint_every == 0:
@@ -242,7 +250,33 @@ class ParameterServer:
             for key in keys:
                 self.store.delete(key)
 
+    def _trails(self, counts: list[int]) -> dict[int, tuple[int, int, bytes]]:
+        """The stateless workers' trails (``{worker: (from, to, blob)}``) that cover only
+        gradients still pending, and ``counts`` raised to the end of each (a worker counts its
+        gradients before it writes the trail that covers them, so they are all queued).
+
+        A trail that starts before the cursor holds gradients already applied (a trail from an
+        earlier outage, or a commit the worker had not seen): its gradients are fetched one by
+        one instead.
+        """
+        found: dict[int, tuple[int, int, bytes]] = {}
+        for w in range(self.config.workers):
+            blob = self.store.get(layout.trail(w))
+            if blob is None:
+                continue
+            header = unpack_header(blob)
+            start, end = int(header["from"]), int(header["to"])
+            if self.cursors[w] <= start < end:
+                found[w] = (start, end, blob)
+                counts[w] = max(counts[w], end)
+        return found
+
     def step_async(self, counts: list[int]) -> bool:
+        counts = list(counts)
+        pending = sum(c - k for c, k in zip(counts, self.cursors, strict=True))
+        # Only a backlog (an outage's) can have trails: workers start one after TRAIL_AFTER
+        # local steps without a commit, more than an ordinary update lags by.
+        trails = self._trails(counts) if self.stateless and pending > self.config.threshold else {}
         keys = [
             layout.gradient(w, k)
             for w in range(self.config.workers)
@@ -251,12 +285,29 @@ class ParameterServer:
         if not keys:
             return False
         ids: list[list[int]] = []
+        sums: list[list[int]] = []
 
-        def accepted() -> Iterator[np.ndarray]:
-            for header, blob in self._fetch(keys):
+        def singles(w: int, start: int, end: int) -> Iterator[np.ndarray]:
+            for header, blob in self._fetch([layout.gradient(w, k) for k in range(start, end)]):
                 if self._accepts(header):
                     ids.append([header["w"], header["k"]])
                     yield vector_view(blob)
+
+        def accepted() -> Iterator[np.ndarray]:
+            if not trails:  # the ordinary path: one chunked fetch over every worker's queue
+                for header, blob in self._fetch(keys):
+                    if self._accepts(header):
+                        ids.append([header["w"], header["k"]])
+                        yield vector_view(blob)
+                return
+            for w in range(self.config.workers):
+                start, end, blob = trails.get(w, (counts[w], counts[w], b""))
+                yield from singles(w, self.cursors[w], start)
+                if blob:
+                    sums.append([len(ids), len(ids) + end - start])
+                    ids.extend([w, k] for k in range(start, end))
+                    yield vector_view(blob)
+                yield from singles(w, end, counts[w])
 
         total = gradient_sum(accepted())
         self.discarded += len(keys) - len(ids)
@@ -265,7 +316,7 @@ class ParameterServer:
             workers = len({w for w, _ in ids})
             backlog = len(ids) > self.config.threshold
             scale = backlog_scale(len(ids), workers, self.config.threshold)
-            self._apply(ids, total, scale, merged=workers if backlog else 0)
+            self._apply(ids, total, scale, merged=workers if backlog else 0, sums=sums)
         else:
             self._move_head(self.head_key)  # acknowledge the discarded ones to waiting workers
         self._forget(keys)

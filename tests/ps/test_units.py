@@ -14,7 +14,12 @@ from stalwart.ps.config import KillEvent, PSConfig
 from stalwart.ps.failure import FailureInjector
 from stalwart.ps.runner import PSRun, run_training
 from stalwart.ps.store import KeyValueStore, RetryingStore
-from stalwart.ps.update import apply_update, backlog_scale, gradient_sum
+from stalwart.ps.update import (
+    apply_update,
+    backlog_scale,
+    gradient_sum,
+    gradient_sum_with_trails,
+)
 from stalwart.ps.wire import pack, unpack, vector_view
 
 
@@ -97,6 +102,22 @@ def test_backlog_scale_merges_a_large_backlog_as_the_mean_of_the_workers_traject
     # 443 gradients from 3 workers' local trajectories: their mean, not one step of 443.
     assert backlog_scale(443, 3, 6) == pytest.approx(1 / 3)
     assert backlog_scale(40, 1, 4) == 1.0  # one worker's trajectory is kept whole
+
+
+def test_a_trail_is_summed_as_the_worker_summed_it():
+    # Gradients of very different sizes, so that the order of float32 additions shows.
+    noise = torch.randn(40, 1000, generator=torch.Generator().manual_seed(0))
+    g = [v.numpy() for v in noise * torch.logspace(-3, 3, 40)[:, None]]
+    assert torch.equal(gradient_sum_with_trails(g, []), gradient_sum(g))
+    # A PS that read gradients 5-29 as one worker's running sum (its trail) and 33-39 as
+    # another's adds each sum where the singles would have gone: that is what the audit
+    # record's spans make the replay do.
+    trail_a, trail_b = gradient_sum(g[5:30]).numpy(), gradient_sum(g[33:]).numpy()
+    received = gradient_sum([*g[:5], trail_a, *g[30:33], trail_b])
+    assert torch.equal(gradient_sum_with_trails(g, [[33, 40], [5, 30]]), received)
+    assert not torch.equal(received, gradient_sum(g))  # so the spans must be recorded
+    with pytest.raises(ValueError, match="audit record is corrupt"):
+        gradient_sum_with_trails(g, [[5, 30], [20, 35]])
 
 
 def test_update_rule_and_wire_roundtrip():
