@@ -28,6 +28,7 @@ from stalwart.errors import CorruptCheckpointError, SplitBrainError, StalwartErr
 from stalwart.ps import layout
 from stalwart.ps.config import PSConfig
 from stalwart.ps.store import KeyValueStore
+from stalwart.ps.trail import pending_trails, with_trails
 from stalwart.ps.update import apply_update, backlog_scale, gradient_sum
 from stalwart.ps.wire import pack, unpack, unpack_header, vector_view
 
@@ -250,33 +251,14 @@ class ParameterServer:
             for key in keys:
                 self.store.delete(key)
 
-    def _trails(self, counts: list[int]) -> dict[int, tuple[int, int, bytes]]:
-        """The stateless workers' trails (``{worker: (from, to, blob)}``) that cover only
-        gradients still pending, and ``counts`` raised to the end of each (a worker counts its
-        gradients before it writes the trail that covers them, so they are all queued).
-
-        A trail that starts before the cursor holds gradients already applied (a trail from an
-        earlier outage, or a commit the worker had not seen): its gradients are fetched one by
-        one instead.
-        """
-        found: dict[int, tuple[int, int, bytes]] = {}
-        for w in range(self.config.workers):
-            blob = self.store.get(layout.trail(w))
-            if blob is None:
-                continue
-            header = unpack_header(blob)
-            start, end = int(header["from"]), int(header["to"])
-            if self.cursors[w] <= start < end:
-                found[w] = (start, end, blob)
-                counts[w] = max(counts[w], end)
-        return found
-
     def step_async(self, counts: list[int]) -> bool:
         counts = list(counts)
         pending = sum(c - k for c, k in zip(counts, self.cursors, strict=True))
-        # Only a backlog (an outage's) can have trails: workers start one after TRAIL_AFTER
-        # local steps without a commit, more than an ordinary update lags by.
-        trails = self._trails(counts) if self.stateless and pending > self.config.threshold else {}
+        # Only an outage's backlog has trails (a worker starts one after trail.TRAIL_AFTER local
+        # steps without a commit, more than an ordinary update lags by).
+        trails = {}
+        if self.stateless and pending > self.config.threshold:
+            trails = pending_trails(self.store, self.cursors, counts)
         keys = [
             layout.gradient(w, k)
             for w in range(self.config.workers)
@@ -287,29 +269,17 @@ class ParameterServer:
         ids: list[list[int]] = []
         sums: list[list[int]] = []
 
-        def singles(w: int, start: int, end: int) -> Iterator[np.ndarray]:
-            for header, blob in self._fetch([layout.gradient(w, k) for k in range(start, end)]):
+        def singles(keys: list[str]) -> Iterator[np.ndarray]:
+            for header, blob in self._fetch(keys):
                 if self._accepts(header):
                     ids.append([header["w"], header["k"]])
                     yield vector_view(blob)
 
-        def accepted() -> Iterator[np.ndarray]:
-            if not trails:  # the ordinary path: one chunked fetch over every worker's queue
-                for header, blob in self._fetch(keys):
-                    if self._accepts(header):
-                        ids.append([header["w"], header["k"]])
-                        yield vector_view(blob)
-                return
-            for w in range(self.config.workers):
-                start, end, blob = trails.get(w, (counts[w], counts[w], b""))
-                yield from singles(w, self.cursors[w], start)
-                if blob:
-                    sums.append([len(ids), len(ids) + end - start])
-                    ids.extend([w, k] for k in range(start, end))
-                    yield vector_view(blob)
-                yield from singles(w, end, counts[w])
-
-        total = gradient_sum(accepted())
+        # Without trails, one chunked fetch over every worker's queue.
+        vectors = singles(keys)
+        if trails:
+            vectors = with_trails(singles, trails, self.cursors, counts, ids, sums)
+        total = gradient_sum(vectors)
         self.discarded += len(keys) - len(ids)
         self.cursors = list(counts)
         if total is not None:

@@ -14,7 +14,7 @@ gradient computed where the previous one left it. Averaging the M workers' end p
 so the audit record (ids, lr, scale) still replays bit for bit.
 
 A stateless worker that has walked alone for a while also keeps the running sum of its gradients
-(its *trail*, :meth:`stalwart.ps.worker.PSWorker.run`), so that the recovered PS reads one vector
+(its *trail*, :mod:`stalwart.ps.trail`), so that the recovered PS reads one vector
 per worker instead of every gradient of the outage (fetching ~1,000 gradients of the default CNN
 took 0.35-0.42 s, during which the merged weights were not yet published). The record lists
 which of its ids arrived pre-summed (``sums``); :func:`gradient_sum_with_trails` sums them the

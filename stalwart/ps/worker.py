@@ -10,8 +10,9 @@ How a worker waits is the mode's consistency model:
   replace the copy. While the PS is down the copy walks a real SGD trajectory from the last
   committed weights; the recovered PS applies every queued gradient exactly once, merging the
   workers' trajectories as their mean (:func:`stalwart.ps.update.backlog_scale`). Once a worker
-  has walked alone for :data:`TRAIL_AFTER` steps it also keeps the running sum of its gradients
-  in the store (its trail), so the recovered PS reads one vector instead of the whole outage's.
+  has walked alone for a few steps it also keeps the running sum of its gradients
+  in the store (its trail, :mod:`stalwart.ps.trail`), so the recovered PS reads one vector
+  instead of the whole outage's.
 
 Every gradient carries its id ``(worker, step)``; the worker's report lists when each was pushed,
 the seconds it spent waiting for the PS and how often it had to retry the store.
@@ -25,7 +26,6 @@ import os
 import resource
 import time
 
-import numpy as np
 import torch
 
 from stalwart import durable
@@ -34,6 +34,7 @@ from stalwart.flat import flatten_grads, unflatten_into
 from stalwart.ps import layout
 from stalwart.ps.config import PSConfig
 from stalwart.ps.store import RetryingStore
+from stalwart.ps.trail import WorkerTrail
 from stalwart.ps.wire import pack, unpack
 from stalwart.ps.workload import PSWorkload
 
@@ -43,13 +44,6 @@ log = logging.getLogger(__name__)
 POLL = 0.002
 #: The exit code of a worker that gave up on an unreachable store.
 STORE_GAVE_UP = 3
-#: Local steps without a new commit after which a stateless worker starts its trail: well past
-#: the few gradients an ordinary asynchronous update lags by, so only a PS that stopped
-#: committing (an outage) makes workers pay for writing it.
-TRAIL_AFTER = 8
-#: Gradients between two writes of a trail: the recovered PS fetches the (at most this many
-#: minus one) gradients pushed after the last write one by one.
-TRAIL_EVERY = 4
 #: The run's :class:`PSWorkload`, pickled by the runner into the run directory.
 WORKLOAD_FILE = "workload.pkl"
 
@@ -97,10 +91,7 @@ class PSWorker:
         #: steps it has taken since (stateless mode).
         self.base_ref = ""
         self.local_steps = 0
-        #: The float32 running sum of gradients ``trail_from, ...`` taken since the PS last
-        #: committed (stateless mode, after :data:`TRAIL_AFTER` local steps), else None.
-        self.trail: np.ndarray | None = None
-        self.trail_from = 0
+        self.trail = WorkerTrail(store, index)
         self.idle = 0.0
         self.pushed: list[list] = []
 
@@ -122,7 +113,8 @@ class PSWorker:
             # keep the local steps taken since, they are queued to be merged.
             return True
         unflatten_into(self.model.parameters(), weights)
-        self.base_ref, self.local_steps, self.trail = header["log"], 0, None
+        self.base_ref, self.local_steps = header["log"], 0
+        self.trail.reset()
         return True
 
     def _local_step(self) -> None:
@@ -133,26 +125,6 @@ class PSWorker:
                 if parameter.grad is not None:
                     parameter.add_(parameter.grad, alpha=-lr)
         self.local_steps += 1
-
-    def _extend_trail(self, step: int, grad: torch.Tensor) -> None:
-        """Add gradient ``step`` to the trail once the PS has not committed for
-        :data:`TRAIL_AFTER` local steps; publish the trail every :data:`TRAIL_EVERY` gradients.
-
-        The sum is taken exactly as :func:`stalwart.ps.update.gradient_sum` takes it (a float32
-        copy of the first, then in-place adds in push order), so the PS's update from the trail
-        and the audit's replay from the single gradients agree bit for bit. It is written after
-        the gradients and the count it covers, so a PS that reads it finds them all queued.
-        """
-        if self.local_steps <= TRAIL_AFTER:
-            return
-        vector = grad.detach().contiguous().numpy()
-        if self.trail is None:
-            self.trail, self.trail_from = vector.copy(), step
-        else:
-            np.add(self.trail, vector, out=self.trail)
-        if (step + 1 - self.trail_from) % TRAIL_EVERY == 0:
-            header = {"w": self.index, "from": self.trail_from, "to": step + 1}
-            self.store.set(layout.trail(self.index), pack(header, torch.from_numpy(self.trail)))
 
     def _wait(self, ready) -> None:
         started = time.monotonic()
@@ -205,7 +177,7 @@ class PSWorker:
                 self._wait(lambda head, k=k: head["cursors"][self.index] > k)
             else:
                 self._local_step()
-                self._extend_trail(k, grad)
+                self.trail.add(k, grad, self.local_steps)
         self.store.set(layout.done(self.index), b"1")
 
     def save_buffers(self) -> None:

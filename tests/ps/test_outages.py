@@ -62,7 +62,7 @@ def test_stateless_beats_checkpointing_when_the_run_ends_right_after_long_outage
         assert backlog["scale"] == 0.5
         # The recovered PS read the outage's work as the workers' trails (running sums), not
         # gradient by gradient: only what each worker pushed before its trail started (the
-        # worker.TRAIL_AFTER local steps and any lag before them) and after the trail's last write
+        # trail.TRAIL_AFTER local steps and any lag before them) and after the trail's last write
         # came one by one. The audit replay above sums the same spans, bit for bit.
         singles = backlog["gradients"] - backlog["trailed"]
         assert 0 <= singles <= 0.2 * backlog["gradients"]
