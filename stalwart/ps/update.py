@@ -13,12 +13,9 @@ gradient computed where the previous one left it. Averaging the M workers' end p
 ``w_C - lr * (1 / M) * sum_{w, k} g[w, k]``: one update of this rule with ``scale = 1 / M``,
 so the audit record (ids, lr, scale) still replays bit for bit.
 
-A stateless worker that has walked alone for a while also keeps the running sum of its gradients
-(its *trail*, :mod:`stalwart.ps.trail`), so that the recovered PS reads one vector
-per worker instead of every gradient of the outage (fetching ~1,000 gradients of the default CNN
-took 0.35-0.42 s, during which the merged weights were not yet published). The record lists
-which of its ids arrived pre-summed (``sums``); :func:`gradient_sum_with_trails` sums them the
-same way, so the replay stays bit for bit.
+Some of a backlog may arrive pre-summed, as workers' trails (:mod:`stalwart.ps.trail` says why);
+the record lists those spans (``sums``) and :func:`gradient_sum_with_trails` sums them the same
+way, so the replay stays bit for bit.
 """
 
 from __future__ import annotations
