@@ -26,10 +26,12 @@ Example::
 from __future__ import annotations
 
 import errno
+import inspect
 import io
 import json
 import mmap
 import os
+import pickle
 import struct
 import threading
 import time
@@ -44,6 +46,11 @@ import numpy as np
 import torch
 
 from stalwart.errors import CorruptCheckpointError
+
+try:  # zlib's CRC-32, ~14x as fast here (10.5 MB: 0.18 ms against 2.5 ms)
+    from zlib_ng.zlib_ng import crc32 as fast_crc32
+except ImportError:  # the same values, slower
+    fast_crc32 = zlib.crc32
 
 TEMP_MARKER = ".tmp-"
 # payload size, CRC-32 of the payload, magic: what read_sealed checks before trusting a byte.
@@ -147,7 +154,7 @@ class DirectFile:
         if not size:
             return 0
         source = np.frombuffer(view, dtype=np.uint8)  # the raw bytes, whatever the format
-        done = 0
+        done = self._write_in_place(source)
         while done < size:
             take = min(size - done, _DIRECT_CHUNK - self._filled)
             self._chunk[self._filled : self._filled + take] = source[done : done + take]
@@ -159,6 +166,18 @@ class DirectFile:
             self.crc32 = zlib.crc32(view, self.crc32)
         self.nbytes += size
         return size
+
+    def _write_in_place(self, source: np.ndarray) -> int:
+        """Write the whole blocks of ``source`` (bytes) straight from its memory where that
+        memory is block-aligned and nothing is buffered (an :class:`ArchiveBuffer`'s mapping
+        is): no copy through the bounce buffer. Returns the bytes written."""
+        if not self.direct or self._filled or source.ctypes.data % _DIRECT_ALIGN:
+            return 0
+        whole = source.nbytes - source.nbytes % _DIRECT_ALIGN
+        written = 0
+        while written < whole:
+            written += os.write(self._fd, source[written:whole])
+        return whole
 
     def flush(self) -> None:
         """Nothing: a partial block can only go out padded, at :meth:`close`."""
@@ -435,38 +454,181 @@ def save_torch(
     return _replace_atomically(path, write)
 
 
-def stage_torch(obj: Any, path: str | os.PathLike) -> float:
-    """The first half of an unsealed :func:`save_torch`: ``torch.save`` ``obj`` to ``path``'s
-    temp name, nothing fsynced or renamed; :func:`commit_staged` (on any thread, later) makes it
-    durable and puts it in place. Returns the seconds the serialization took.
+class ArchiveBuffer:
+    """A ``torch.save`` archive held in memory by :func:`serialize_torch`, for
+    :func:`write_archive` to put on disk later, on any thread; a file object torch writes into.
 
-    Split so that the serialization, which needs ``obj`` as it is now, can run where ``obj``
-    lives without the waits for the disk: a training thread stages its own state and leaves the
-    fsyncs to a writer thread, which needs no copy of the state (see
-    :class:`stalwart.hindsight.materializer.ForkMaterializer`).
+    Backed by an anonymous mapping, its pages faulted in when it is made (or grown), meant to be
+    reused from one archive to the next: a fresh 10 MB buffer faults its pages in as the
+    archive is written into it (``torch.save`` into a new ``io.BytesIO`` took 11.9 ms against
+    6.9 ms with the heap's pages kept, 2 threads), and the first archive's time is what a
+    hindsight record prices the next ones at.
+
+    Args:
+        capacity: bytes to map at first (rounded up to whole pages); it grows as needed.
     """
-    start = time.perf_counter()
-    temp = temp_path_for(path)
+
+    def __init__(self, capacity: int = 1 << 20) -> None:
+        self._memory = _mapped(capacity)
+        self.nbytes = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        end = self.nbytes + view.nbytes
+        if end > len(self._memory):
+            grown = _mapped(max(end, 2 * len(self._memory)))
+            with memoryview(self._memory) as old:
+                grown[: self.nbytes] = old[: self.nbytes]
+            self._memory.close()
+            self._memory = grown
+        self._memory[self.nbytes : end] = view
+        self.nbytes = end
+        return view.nbytes
+
+    def flush(self) -> None:
+        """Nothing: the bytes stay in memory until :func:`write_archive`."""
+
+    def view(self) -> memoryview:
+        """The archive's bytes (writable: :func:`serialize_torch` fills in their CRC-32s)."""
+        return memoryview(self._memory)[: self.nbytes]
+
+
+def _mapped(nbytes: int) -> mmap.mmap:
+    """Anonymous memory of at least ``nbytes``, whole pages, faulted in where the system can."""
+    pages = max(-(-nbytes // mmap.PAGESIZE), 1) * mmap.PAGESIZE
+    populate = getattr(mmap, "MAP_POPULATE", 0)  # Linux
+    return mmap.mmap(-1, pages, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+
+
+def serialize_torch(obj: Any, into: ArchiveBuffer | None = None) -> ArchiveBuffer:
+    """``torch.save`` ``obj`` into memory: the bytes :func:`save_torch` would write, each
+    record's CRC-32 included, for :func:`write_archive` to put on disk later, on any thread.
+
+    Serialized as ``obj`` is when called; a change to it afterwards is not in the archive. torch
+    computes each record's CRC-32 itself at ~2.4 GB/s, about half of a 10 MB state's
+    serialization here (into memory: 5.4-6.1 ms with them, 1.1-1.6 ms without). So torch writes
+    the archive with the CRC-32s left at 0 and they are filled in afterwards by zlib-ng's CRC-32
+    (the same values, 0.18 ms for 10.5 MB). Where this torch's writer cannot be asked to leave
+    them out (its private API is not the one this was written against, 2.7) or the archive is
+    not a plain zip (zip64 records, for files past 4 GB), torch computes them, as ``torch.save``
+    does.
+
+    Args:
+        obj: what to save.
+        into: an earlier archive nothing uses any more, whose memory to reuse; None: a new one.
+    """
+    archive = into if into is not None else ArchiveBuffer()
+    archive.nbytes = 0
+    if _save_without_crc32(obj, archive):
+        try:
+            _fill_record_crc32s(archive)
+            return archive
+        except _NotPlainZip:
+            archive.nbytes = 0
+    torch.save(obj, archive)
+    return archive
+
+
+def write_archive(archive: ArchiveBuffer, path: str | os.PathLike) -> WrittenFile:
+    """Put an archive :func:`serialize_torch` made at ``path``, atomically and durably, past the
+    page cache (:class:`DirectFile`: a checkpoint is not read again soon), unsealed: the
+    returned CRC-32 is :func:`zip_tail_checksum`'s, as :func:`save_torch` returns it, for
+    :func:`verify_file`."""
+
+    def write(temp: Path) -> tuple[int, int]:
+        with archive.view() as data:
+            with DirectFile(temp) as handle:
+                handle.write(data)
+            try:
+                start = _central_directory_start(data)
+            except _NotPlainZip:  # torch.save's zip64 archive (see serialize_torch)
+                with zipfile.ZipFile(io.BytesIO(data)) as whole:
+                    start = whole.start_dir
+            return data.nbytes, zlib.crc32(data[start:])
+
+    return _replace_atomically(path, write)
+
+
+# The zip records torch's writer makes (stored, not compressed): the end of the central directory,
+# a central directory entry, a local header.
+_END = struct.Struct("<IHHHHIIH")
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+_END_MAGIC, _CENTRAL_MAGIC, _LOCAL_MAGIC = 0x06054B50, 0x02014B50, 0x04034B50
+_DESCRIPTOR_MAGIC, _HAS_DESCRIPTOR = 0x08074B50, 0x08
+_FULL16, _FULL32 = 0xFFFF, 0xFFFFFFFF  # a zip64 record holds the real value
+
+
+class _NotPlainZip(Exception):
+    """The archive is not the plain zip :func:`_fill_record_crc32s` can fill in."""
+
+
+def _save_without_crc32(obj: Any, archive: ArchiveBuffer) -> bool:
+    """``torch.save``'s own steps, with a writer that leaves the records' CRC-32s at 0; False
+    (nothing written) where this torch's private API differs from 2.7's."""
+    save = getattr(torch.serialization, "_save", None)
+    alignment = getattr(torch.serialization, "_get_storage_alignment", None)
+    if save is None or alignment is None or tuple(_parameters(save)) != _SAVE_PARAMETERS:
+        return False
     try:
-        torch.save(obj, os.fspath(temp))
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    return time.perf_counter() - start
+        writer = torch._C.PyTorchFileWriter(archive, False, alignment())
+    except TypeError:  # a writer without the CRC-32 switch
+        return False
+    save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+    return True
 
 
-def commit_staged(path: str | os.PathLike) -> WrittenFile:
-    """The second half of :func:`stage_torch`: checksum the staged archive's tail, fsync it,
-    rename it to ``path`` and fsync the directory (as :func:`save_torch` does, unsealed).
+_SAVE_PARAMETERS = (
+    "obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record"
+)  # fmt: skip
 
-    Raises:
-        CorruptCheckpointError: the staged temp file is missing or not a whole archive; it is
-            removed and what was at ``path`` is left as it was.
-    """
-    temp = temp_path_for(path)
-    if not temp.exists():
-        raise CorruptCheckpointError(f"nothing staged for {path} (no {temp.name}); stage it first.")
-    return _replace_atomically(path, _fsync_archive)
+
+def _parameters(function: Callable) -> list[str]:
+    return list(inspect.signature(function).parameters)
+
+
+def _fill_record_crc32s(archive: ArchiveBuffer) -> None:
+    """Write each record's CRC-32 where torch's writer puts it: into its central directory entry
+    and into the data descriptor after its bytes (torch's local headers keep 0, the descriptor
+    flag set), or into its local header where there is no descriptor."""
+    with archive.view() as data:
+        entry = _central_directory_start(data)
+        count = _END.unpack_from(data, data.nbytes - _END.size)[4]
+        for _ in range(count):
+            fields = _CENTRAL.unpack_from(data, entry)
+            magic, flags, method, size, names, extras, comments, local = (
+                fields[0], fields[3], fields[4], fields[9], fields[10], fields[11], fields[12],
+                fields[16],
+            )  # fmt: skip
+            if magic != _CENTRAL_MAGIC or method or _FULL32 in (size, local):
+                raise _NotPlainZip
+            header = _LOCAL.unpack_from(data, local)
+            if header[0] != _LOCAL_MAGIC:
+                raise _NotPlainZip
+            begin = local + _LOCAL.size + header[9] + header[10]
+            with data[begin : begin + size] as record:
+                crc32 = fast_crc32(record)
+            struct.pack_into("<I", data, entry + 16, crc32)
+            if flags & _HAS_DESCRIPTOR:
+                descriptor = begin + size
+                if struct.unpack_from("<I", data, descriptor)[0] == _DESCRIPTOR_MAGIC:
+                    descriptor += 4
+                struct.pack_into("<I", data, descriptor, crc32)
+            else:
+                struct.pack_into("<I", data, local + 14, crc32)
+            entry += _CENTRAL.size + names + extras + comments
+
+
+def _central_directory_start(data: memoryview) -> int:
+    """Where a plain zip's central directory starts (its end record read, no comment)."""
+    end = data.nbytes - _END.size
+    if end < 0:
+        raise _NotPlainZip
+    magic, _, _, _, count, _, start, comment = _END.unpack_from(data, end)
+    if magic != _END_MAGIC or comment or count == _FULL16 or start == _FULL32:
+        raise _NotPlainZip
+    return start
 
 
 def _fsync_archive(temp: Path) -> tuple[int, int]:

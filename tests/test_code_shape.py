@@ -47,6 +47,7 @@ INTERNAL_SIGNALS = {
     "pipeline/links.py:PeerFailure",
     "pipeline/runtime.py:NodeLeaves",
     "hindsight/materializer.py:_Mismatch",  # refill_copy's walk: caught there, returns None
+    "durable.py:_NotPlainZip",  # serialize_torch's fast path: caught there, torch.save instead
 }
 
 

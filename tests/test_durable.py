@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
+import zipfile
 import zlib
 
 import pytest
@@ -192,45 +195,97 @@ def test_without_o_direct_the_same_bytes_go_through_the_page_cache(tmp_path, mon
         assert not handle.direct
 
 
-def test_a_staged_save_is_serialized_at_once_and_in_place_only_once_committed(tmp_path):
-    """stage_torch serializes the object as it is when called (a change after it is not in the
-    file); nothing is at the path until commit_staged, which leaves what save_torch leaves."""
+def test_an_archive_in_memory_holds_the_state_as_it_was_and_is_in_place_once_written(tmp_path):
+    """serialize_torch serializes the object as it is when called (a change after it is not in
+    the file), byte for byte what torch.save writes, each record's CRC-32 included; nothing is at
+    the path until write_archive, which leaves what save_torch leaves."""
     path = tmp_path / "epoch=0001.ckpt"
     durable.save_torch({"w": torch.zeros(3)}, path, seal=False)  # the file already there
-    state = {"w": torch.randn(1 << 20), "step": 5}
+    state = {"w": torch.randn(1 << 20), "b": torch.arange(7), "step": 5}
     expected = state["w"].clone()
-    assert durable.stage_torch(state, path) > 0
-    state["w"].mul_(-1.0)  # as the next optimizer step would, before the writer commits
+    saved = io.BytesIO()
+    torch.save(state, saved)
+    archive = durable.serialize_torch(state)
+    state["w"].mul_(-1.0)  # as the next optimizer step would, before the writer writes
+    assert _records(bytes(archive.view())) == _records(saved.getvalue())
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.zeros(3))
-    assert durable.is_temp(durable.temp_path_for(path))
-    written = durable.commit_staged(path)
+    written = durable.write_archive(archive, path)
     loaded = torch.load(path, weights_only=True)
     assert torch.equal(loaded["w"], expected) and loaded["step"] == 5
     durable.verify_file(path, written.nbytes, written.crc32)
     assert written.nbytes == path.stat().st_size and written.path == str(path)
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    # The memory is reused for the next archive, grown as needed.
+    again = durable.serialize_torch({"w": torch.ones(1 << 21)}, into=archive)
+    assert again is archive and zipfile.ZipFile(io.BytesIO(bytes(again.view()))).testzip() is None
 
 
-def test_a_torn_staged_file_is_refused_and_the_previous_file_kept(tmp_path):
+def test_the_archive_crc32s_are_filled_in_not_left_to_torch(tmp_path, monkeypatch):
+    """On this torch the archive is written by torch's own steps without its CRC-32s (half of
+    a small state's serialization), which are filled in afterwards; a torch whose private API
+    differs gets torch.save, and the same bytes."""
+    state = {"w": torch.randn(1 << 16), "step": 1}
+    monkeypatch.setattr(torch, "save", _no_torch_save)
+    fast = bytes(durable.serialize_torch(state).view())
+    assert zipfile.ZipFile(io.BytesIO(fast)).testzip() is None
+    monkeypatch.undo()
+    monkeypatch.setattr(durable, "_SAVE_PARAMETERS", ("obj", "f"))  # another torch's _save
+    slow = bytes(durable.serialize_torch(state).view())
+    assert _records(slow) == _records(fast)
+
+
+def _no_torch_save(*args, **kwargs):
+    raise AssertionError("torch.save computes the CRC-32s itself: the slow path")
+
+
+def _records(archive: bytes) -> dict[str, tuple[int, bytes]]:
+    """An archive's records with their CRC-32s, after checking each; not the id torch draws at
+    random for every save."""
+    with zipfile.ZipFile(io.BytesIO(archive)) as opened:
+        assert opened.testzip() is None
+        return {
+            info.filename: (info.CRC, opened.read(info))
+            for info in opened.infolist()
+            if not info.filename.endswith("serialization_id")
+        }
+
+
+def test_a_changed_record_of_an_archive_written_from_memory_is_detected(tmp_path):
+    """The CRC-32s filled in are what verify_file checks each record against."""
+    path = tmp_path / "epoch=0002.ckpt"
+    state = {"w": torch.zeros(1 << 16)}
+    written = durable.write_archive(durable.serialize_torch(state), path)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit of the tensor's record
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="not matching its CRC-32"):
+        durable.verify_file(path, written.nbytes, written.crc32)
+
+
+def test_a_failed_archive_write_keeps_the_previous_file_and_leaves_no_temp(tmp_path, monkeypatch):
     path = tmp_path / "epoch=0001.ckpt"
     durable.save_torch({"w": torch.ones(3)}, path, seal=False)
     before = path.read_bytes()
-    with pytest.raises(CorruptCheckpointError, match="nothing staged"):
-        durable.commit_staged(path)
-    durable.stage_torch({"w": torch.randn(1 << 16)}, path)
-    temp = durable.temp_path_for(path)
-    temp.write_bytes(temp.read_bytes()[:-100])  # torn: the zip's directory cut off
-    with pytest.raises(CorruptCheckpointError, match="not a complete zip"):
-        durable.commit_staged(path)
+    archive = durable.serialize_torch({"w": torch.randn(1 << 16)})
+
+    def disk_full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(durable.DirectFile, "write", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        durable.write_archive(archive, path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
-def test_a_failing_stage_leaves_no_temp(tmp_path):
-    path = tmp_path / "state.pt"
+def test_a_failing_serialization_raises_and_writes_nothing(tmp_path):
+    archive = durable.ArchiveBuffer()
     with pytest.raises(Exception, match="pickle"):
-        durable.stage_torch({"w": torch.ones(1 << 20), "hook": lambda: None}, path)
+        durable.serialize_torch({"w": torch.ones(1 << 20), "hook": lambda: None}, into=archive)
     assert list(tmp_path.iterdir()) == []
+    state = {"w": torch.ones(4)}
+    reused = durable.serialize_torch(state, into=archive)  # the buffer is still usable
+    assert torch.equal(torch.load(io.BytesIO(bytes(reused.view())))["w"], state["w"])
 
 
 def test_streaming_writer_counts_every_byte(tmp_path):

@@ -44,8 +44,9 @@ from stalwart.hindsight.checkpoint_file import DIRECT_WRITE_BYTES, tensor_bytes,
 class WriteJob:
     """One object to persist at ``path``; ``on_written`` runs in the writing process afterwards.
 
-    ``staged``: the object is already serialized to ``path``'s temp name
-    (:func:`stalwart.durable.stage_torch`; ``obj`` is then None); the writer only commits it.
+    ``staged``: ``obj`` is the checkpoint already serialized, a
+    :class:`stalwart.durable.ArchiveBuffer` (:func:`stalwart.durable.serialize_torch`); the
+    writer only puts it on disk.
     """
 
     obj: Any
@@ -396,7 +397,10 @@ def _probe_write(obj: Any, path: Path, direct: bool = False) -> None:
 
 
 def _run_job(job: WriteJob) -> None:
-    written = durable.commit_staged(job.path) if job.staged else write_checkpoint(job.obj, job.path)
+    if job.staged:
+        written = durable.write_archive(job.obj, job.path)
+    else:
+        written = write_checkpoint(job.obj, job.path)
     if job.on_written is not None:
         job.on_written(written)
 
@@ -620,20 +624,21 @@ class ForkMaterializer(Materializer):
             state; in a process using CUDA, decided by measurement when the recorder first
             probes what a checkpoint of the run's size costs (a copy plus the thread's CPU time,
             against a fork and the child's competition for the cores); ``0`` always forks.
-        stage: for CPU state, serialize each checkpoint on the calling thread
-            (:func:`stalwart.durable.stage_torch`) and leave only its fsyncs, checksum and rename
-            to the writer thread, instead of handing that thread a copy to serialize. ``None``
-            (default): where training leaves the writer thread no core (torch's intra-op threads
-            at least the cores this process may use, read at each checkpoint) and the state is
-            written through the page cache (under ``DIRECT_WRITE_BYTES`` of tensors; larger ones
-            are copied and written past it, whose cost on the training thread is not measured).
+        stage: for CPU state, serialize each checkpoint into memory on the calling thread
+            (:func:`stalwart.durable.serialize_torch`) and leave only its write, fsyncs and
+            rename to the writer thread (:func:`stalwart.durable.write_archive`), instead of
+            handing that thread a copy to serialize. ``None`` (default): where training leaves
+            the writer thread no core (torch's intra-op threads at least the cores this process
+            may use, read at each checkpoint) and the state holds under ``DIRECT_WRITE_BYTES``
+            of tensors (larger ones are copied, and written by the writer thread past the page
+            cache, whose cost on the training thread is not measured).
             There the thread's serialization displaces one thread of training's team, which the
             others then wait for: the meter charged a 10 MB checkpoint's write a median 12-13 ms
             of a two-thread fit on two cores for 6-7 ms of CPU, the copy 1.7 ms more; staged, it
-            takes the training thread 7-8 ms and the writer ~1 ms of CPU, and the record's figure
-            came out 0.3-2 points lower. Fits interleaved with the writer thread's did not tell
-            the two apart by wall clock (staged faster in 23 of 48 rounds). With a core free, the
-            writer thread serializes on it, and the training thread pays for the copy (1.7 ms).
+            takes the training thread ~3.6 ms (into memory, without torch's own CRC-32s: see
+            ``serialize_torch``) and the writer ~1.3 ms of CPU. With a core free, the writer
+            thread serializes on it (by name: a Python file object would hold the interpreter
+            lock for every record), and the training thread pays for the copy (1.7 ms).
 
     Example::
 
@@ -745,14 +750,13 @@ class ForkMaterializer(Materializer):
 
     def _stage_cost(self, nbytes: int, directory: Path) -> float:
         """The serialization on the calling thread, at the rate of those staged so far (the
-        run's init.ckpt first; else a probe staged here), plus the writer thread's CPU time
-        committing them (its fsyncs and the archive's tail read back)."""
+        run's init.ckpt first; else a probe serialized here), plus the writer thread's CPU time
+        writing them (the bytes through its direct-write buffer, the fsyncs)."""
         if not self.stage_bytes:
-            path = directory / f".stalwart-probe-{os.getpid()}"
             probe = _probe_buffer(nbytes, 16 << 20)
-            seconds = durable.stage_torch(probe, path)
-            durable.temp_path_for(path).unlink()
-            return seconds * nbytes / probe.numel()
+            start = time.perf_counter()
+            durable.serialize_torch(probe)
+            return (time.perf_counter() - start) * nbytes / probe.numel()
         committing = self._writer.cpu_seconds / self.stage_bytes if self._writer.writes else 0.0
         return (self.stage_seconds / self.stage_bytes + committing * self.contention) * nbytes
 
@@ -837,12 +841,21 @@ class ForkMaterializer(Materializer):
         self.poll()
         nbytes = self._submitted_bytes = tensor_bytes(job.obj)
         if self.stages_for(nbytes):
-            # One copy of the state's bytes on this thread either way: into the page cache now,
-            # rather than into a copy the writer thread serializes beside training.
+            # One copy of the state's bytes on this thread either way: into an archive in memory
+            # now, rather than into a copy the writer thread serializes beside training. The
+            # last archive written lends its memory to the next.
             self._writer.drain(below=self.max_children)
-            self.stage_seconds += durable.stage_torch(job.obj, job.path)
+            spare = self._writer.take_spare()
+            if not isinstance(spare, durable.ArchiveBuffer):
+                # Room for the optimizer moments a state gains at its first step (init.ckpt has
+                # none; SGD's momentum doubles it), so the next archives fit without growing.
+                spare = durable.ArchiveBuffer(capacity=2 * nbytes + (1 << 20))
+            staging = time.perf_counter()
+            archive = durable.serialize_torch(job.obj, into=spare)
+            self.stage_seconds += time.perf_counter() - staging
             self.stage_bytes += nbytes
-            self._writer.put(WriteJob(None, job.path, job.on_written, staged=True), nbytes)
+            staged = WriteJob(archive, job.path, job.on_written, staged=True)
+            self._writer.put(staged, nbytes, keep=True)
             self.stages += 1
             return time.perf_counter() - start
         if self.small_bytes is None or nbytes < self.small_bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
@@ -352,9 +353,9 @@ def test_on_cpu_the_copy_is_taken_and_no_fork_is_probed(tmp_path, monkeypatch):
 def test_a_staged_checkpoint_is_the_state_at_submit_serialized_there_and_committed_behind(
     tmp_path,
 ):
-    """Staged: the calling thread serializes the state itself (no copy is made; a change right
-    after submit is not in the file) and the writer thread only commits it, in order, indexed
-    as a written one is; its CPU time is charged after the fact like a write's."""
+    """Staged: the calling thread serializes the state itself into memory (no copy is made; a
+    change right after submit is not in the file) and the writer thread only writes it, in
+    order, indexed as a written one is; its CPU time is charged after the fact like a write's."""
     materializer = ForkMaterializer(stage=True)
     recorder = Recorder(tmp_path / "index.tsv")
     main_thread = 0.0
@@ -374,27 +375,23 @@ def test_a_staged_checkpoint_is_the_state_at_submit_serialized_there_and_committ
         [f"{i}.pt" for i in range(6)] + ["index.tsv"]
     )  # no temp left
     assert materializer.stage_bytes == 6 << 20 and 0 < materializer.stage_seconds <= main_thread
-    assert materializer.take_background_cost() > 0  # the commits' CPU: charged once
+    assert materializer.take_background_cost() > 0  # the writes' CPU: charged once
     assert materializer.take_background_cost() == 0
 
 
-def test_a_staged_checkpoint_that_cannot_be_committed_is_reported(tmp_path, monkeypatch):
-    """A staged file lost before its commit (a cleaner, a full disk's torn write) is reported
-    as a failed write is, and nothing is put in place."""
-    import stalwart.hindsight.materializer as materializer_module
+def test_a_staged_checkpoint_that_cannot_be_written_is_reported(tmp_path, monkeypatch):
+    """A staged checkpoint whose write fails on the writer thread (a full disk) is reported as a
+    failed write is, and nothing is put in place, no temp file left."""
 
-    commit = materializer_module._run_job
+    def disk_full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    def lost_first(job):
-        durable.temp_path_for(job.path).unlink()
-        commit(job)
-
-    monkeypatch.setattr(materializer_module, "_run_job", lost_first)
+    monkeypatch.setattr(durable.DirectFile, "write", disk_full)
     materializer = ForkMaterializer(stage=True)
     materializer.submit(WriteJob({"w": torch.ones(4)}, tmp_path / "x.pt"))
     materializer.close()
     assert len(materializer.failures) == 1 and "x.pt" in materializer.failures[0]
-    assert "nothing staged" in materializer.failures[0]
+    assert "No space" in materializer.failures[0]
     assert list(tmp_path.iterdir()) == []
 
 
@@ -425,7 +422,7 @@ def test_checkpoints_are_staged_where_training_leaves_the_writer_no_core(monkeyp
 
 def test_a_staged_checkpoints_price_is_the_staging_measured_and_no_probe_is_written(tmp_path):
     """Staged, the first decision's price is the run's first write's own serialization (its
-    init.ckpt) at its rate per byte, plus the writer's commits; nothing is probed beside
+    init.ckpt) at its rate per byte, plus the writer's writes; nothing is probed beside
     training and nothing left on disk."""
     materializer = ForkMaterializer(stage=True)
     materializer.submit(WriteJob(big_state(4), tmp_path / "init.ckpt"))
@@ -437,7 +434,7 @@ def test_a_staged_checkpoints_price_is_the_staging_measured_and_no_probe_is_writ
     assert rate * 8 * MB <= price <= 2 * rate * 8 * MB + 0.01
     assert sorted(p.name for p in tmp_path.iterdir()) == ["init.ckpt"]
     materializer.close()
-    fresh = ForkMaterializer(stage=True)  # nothing staged yet: a probe staged and removed
+    fresh = ForkMaterializer(stage=True)  # nothing staged yet: a probe serialized in memory
     assert fresh.probe_cost(8 * MB, tmp_path) > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["init.ckpt"]
 
