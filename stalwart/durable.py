@@ -114,9 +114,10 @@ class DirectFile:
     (``benchmarks/record_overhead.py --write-path``). Where training uses every core, that time
     comes out of training. Bytes pass through a page-aligned bounce buffer, copied by numpy
     (which lets go of the interpreter lock for large copies) and written by ``os.write`` (which
-    does too); the last block is padded and the file truncated back to its length on
-    :meth:`close`. Where the file system refuses ``O_DIRECT`` (tmpfs before Linux 6.6; macOS has
-    no such flag) the same bytes are written through the page cache.
+    does too), except whole blocks of memory that is itself aligned (an :class:`ArchiveBuffer`),
+    written from where they are; the last block is padded and the file truncated back to its
+    length on :meth:`close`. Where the file system refuses ``O_DIRECT`` (tmpfs before Linux 6.6;
+    macOS has no such flag) the same bytes are written through the page cache.
 
     Args:
         path: the file to create (truncated if it exists).
@@ -540,10 +541,9 @@ def write_archive(archive: ArchiveBuffer, path: str | os.PathLike) -> WrittenFil
             with DirectFile(temp) as handle:
                 handle.write(data)
             try:
-                start = _central_directory_start(data)
+                start, _ = _central_directory(data)
             except _NotPlainZip:  # torch.save's zip64 archive (see serialize_torch)
-                with zipfile.ZipFile(io.BytesIO(data)) as whole:
-                    start = whole.start_dir
+                return zip_tail_checksum(io.BytesIO(data))
             return data.nbytes, zlib.crc32(data[start:])
 
     return _replace_atomically(path, write)
@@ -568,7 +568,9 @@ def _save_without_crc32(obj: Any, archive: ArchiveBuffer) -> bool:
     (nothing written) where this torch's private API differs from 2.7's."""
     save = getattr(torch.serialization, "_save", None)
     alignment = getattr(torch.serialization, "_get_storage_alignment", None)
-    if save is None or alignment is None or tuple(_parameters(save)) != _SAVE_PARAMETERS:
+    if save is None or alignment is None:
+        return False
+    if tuple(inspect.signature(save).parameters) != _SAVE_PARAMETERS:
         return False
     try:
         writer = torch._C.PyTorchFileWriter(archive, False, alignment())
@@ -584,17 +586,12 @@ _SAVE_PARAMETERS = (
 )  # fmt: skip
 
 
-def _parameters(function: Callable) -> list[str]:
-    return list(inspect.signature(function).parameters)
-
-
 def _fill_record_crc32s(archive: ArchiveBuffer) -> None:
     """Write each record's CRC-32 where torch's writer puts it: into its central directory entry
     and into the data descriptor after its bytes (torch's local headers keep 0, the descriptor
     flag set), or into its local header where there is no descriptor."""
     with archive.view() as data:
-        entry = _central_directory_start(data)
-        count = _END.unpack_from(data, data.nbytes - _END.size)[4]
+        entry, count = _central_directory(data)
         for _ in range(count):
             fields = _CENTRAL.unpack_from(data, entry)
             magic, flags, method, size, names, extras, comments, local = (
@@ -620,15 +617,16 @@ def _fill_record_crc32s(archive: ArchiveBuffer) -> None:
             entry += _CENTRAL.size + names + extras + comments
 
 
-def _central_directory_start(data: memoryview) -> int:
-    """Where a plain zip's central directory starts (its end record read, no comment)."""
+def _central_directory(data: memoryview) -> tuple[int, int]:
+    """Where a plain zip's central directory starts and how many entries it has (its end
+    record read, no comment)."""
     end = data.nbytes - _END.size
     if end < 0:
         raise _NotPlainZip
     magic, _, _, _, count, _, start, comment = _END.unpack_from(data, end)
     if magic != _END_MAGIC or comment or count == _FULL16 or start == _FULL32:
         raise _NotPlainZip
-    return start
+    return start, count
 
 
 def _fsync_archive(temp: Path) -> tuple[int, int]:

@@ -197,8 +197,8 @@ def test_without_o_direct_the_same_bytes_go_through_the_page_cache(tmp_path, mon
 
 def test_an_archive_in_memory_holds_the_state_as_it_was_and_is_in_place_once_written(tmp_path):
     """serialize_torch serializes the object as it is when called (a change after it is not in
-    the file), byte for byte what torch.save writes, each record's CRC-32 included; nothing is at
-    the path until write_archive, which leaves what save_torch leaves."""
+    the file), the records torch.save writes with their CRC-32s; nothing is at the path until
+    write_archive, which leaves what save_torch leaves."""
     path = tmp_path / "epoch=0001.ckpt"
     durable.save_torch({"w": torch.zeros(3)}, path, seal=False)  # the file already there
     state = {"w": torch.randn(1 << 20), "b": torch.arange(7), "step": 5}
